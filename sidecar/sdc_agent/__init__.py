@@ -1,0 +1,57 @@
+"""hyperpod-sdc agent: catch silent data corruption inside PyTorch DDP training.
+
+``import sdc_agent.protocol`` must work without torch (the operator image has none), so
+the torch-dependent names below load lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "ConfigError",
+    "FaultSpec",
+    "Fingerprinter",
+    "Guard",
+    "GuardConfig",
+    "SDCError",
+    "StepResult",
+    "Verdict",
+    "fingerprint",
+    "format_fingerprint",
+]
+
+_LAZY = {
+    "ConfigError": "errors",
+    "SDCError": "errors",
+    "FaultSpec": "faults",
+    "Fingerprinter": "fingerprint",
+    "fingerprint": "fingerprint",
+    "format_fingerprint": "fingerprint",
+    "Guard": "guard",
+    "GuardConfig": "config",
+    "StepResult": "verdict",
+    "Verdict": "verdict",
+}
+
+if TYPE_CHECKING:
+    from .config import GuardConfig
+    from .errors import ConfigError, SDCError
+    from .faults import FaultSpec
+    from .fingerprint import Fingerprinter, fingerprint, format_fingerprint
+    from .guard import Guard
+    from .verdict import StepResult, Verdict
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdc_agent' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,175 @@
+"""Agent settings: :class:`GuardConfig`, from keyword arguments and ``HYPERPOD_SDC_*``.
+
+Precedence: keyword arguments to :meth:`GuardConfig.from_env`, then environment
+variables, then the defaults below. ``GuardConfig(...)`` itself reads no environment.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+from .faults import FaultSpec, parse_faults
+from .fingerprint import FINGERPRINT_BACKENDS
+
+__all__ = ["ENV_PREFIX", "GuardConfig", "KNOWN_ENV"]
+
+ENV_PREFIX = "HYPERPOD_SDC_"
+NONFINITE_CHECK_ENV = "HYPERPOD_SDC_NONFINITE_CHECK"
+WEIGHTS_EVERY_ENV = "HYPERPOD_SDC_WEIGHTS_EVERY"
+WEIGHTS_OPTIMIZER_STATE_ENV = "HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE"
+FINGERPRINT_BACKEND_ENV = "HYPERPOD_SDC_FINGERPRINT_BACKEND"
+FAULTS_ENV = "HYPERPOD_SDC_FAULTS"
+NODE_NAME_ENV = "NODE_NAME"
+
+_ENV_OF_FIELD = {
+    "nonfinite_check": NONFINITE_CHECK_ENV,
+    "weights_every": WEIGHTS_EVERY_ENV,
+    "weights_include_optimizer_state": WEIGHTS_OPTIMIZER_STATE_ENV,
+    "fingerprint_backend": FINGERPRINT_BACKEND_ENV,
+    "faults": FAULTS_ENV,
+}
+
+# Every HYPERPOD_SDC_* name the project reads, agent and operator; anything else with the
+# prefix is probably a typo and draws a warning.
+KNOWN_ENV: frozenset[str] = frozenset(
+    {
+        *_ENV_OF_FIELD.values(),
+        "HYPERPOD_SDC_RESUME_MAX_STEP",
+        "HYPERPOD_SDC_OPERATOR_URL",
+    }
+)
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected true or false, got {raw!r}")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuardConfig:
+    """Settings of :class:`sdc_agent.Guard`. Intervals count optimizer steps."""
+
+    nonfinite_check: bool = True
+    """Check 1: look for NaN/Inf in every gradient bucket before and after the all-reduce,
+    every step (env ``HYPERPOD_SDC_NONFINITE_CHECK``). Costs one min/max pass over each
+    bucket twice per step and one tiny all-reduce."""
+
+    weights_every: int = 10
+    """Check 3: compare fingerprints of the parameters across data-parallel replicas every
+    this many steps; 0 turns it off (env ``HYPERPOD_SDC_WEIGHTS_EVERY``). It bounds how
+    far ``last_clean_step`` lags behind: only verified steps count as clean."""
+
+    weights_include_optimizer_state: bool = True
+    """Also fingerprint the optimizer's state tensors (Adam's moments), which must be
+    identical across replicas too (env ``HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE``). Roughly
+    triples the check's cost with Adam."""
+
+    fingerprint_backend: str = "auto"
+    """``auto`` (compiled kernel on CUDA, eager on CPU), ``compile`` or ``eager`` (env
+    ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints."""
+
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see
+    :mod:`sdc_agent.faults`. Empty in production."""
+
+    node_name: str | None = None
+    """This rank's node; ranks on one node share it. Default: env ``NODE_NAME`` (set it
+    from the downward API ``spec.nodeName``), else the host name."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nonfinite_check, bool):
+            raise ConfigError(f"nonfinite_check: must be a bool, got {self.nonfinite_check!r}")
+        if (
+            not isinstance(self.weights_every, int)
+            or isinstance(self.weights_every, bool)
+            or self.weights_every < 0
+        ):
+            raise ConfigError(
+                f"weights_every: must be an integer >= 0 (0 turns the check off), "
+                f"got {self.weights_every!r}"
+            )
+        if not isinstance(self.weights_include_optimizer_state, bool):
+            raise ConfigError(
+                "weights_include_optimizer_state: must be a bool, "
+                f"got {self.weights_include_optimizer_state!r}"
+            )
+        if self.fingerprint_backend not in FINGERPRINT_BACKENDS:
+            raise ConfigError(
+                f"fingerprint_backend: must be one of {', '.join(FINGERPRINT_BACKENDS)}, "
+                f"got {self.fingerprint_backend!r}"
+            )
+        if not isinstance(self.faults, tuple) or not all(
+            isinstance(f, FaultSpec) for f in self.faults
+        ):
+            raise ConfigError("faults: must be a tuple of sdc_agent.FaultSpec")
+        if self.node_name is not None and (
+            not isinstance(self.node_name, str) or not self.node_name
+        ):
+            raise ConfigError(f"node_name: must be a non-empty string, got {self.node_name!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
+        """Settings from ``HYPERPOD_SDC_*`` variables, overridden by keyword arguments.
+
+        Unknown keyword arguments raise :class:`ConfigError`; unknown ``HYPERPOD_SDC_*``
+        variables draw a warning (they are probably typos, and ignoring them silently
+        would leave a check configured differently than intended).
+        """
+        env = os.environ if env is None else env
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(unknown)}: unknown setting; known: {', '.join(sorted(known))}"
+            )
+        for name in sorted(env):
+            if name.startswith(ENV_PREFIX) and name not in KNOWN_ENV:
+                warnings.warn(
+                    f"{name}: unknown hyperpod-sdc environment variable, ignored",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        values: dict[str, Any] = {}
+        if (raw := env.get(NONFINITE_CHECK_ENV)) is not None:
+            values["nonfinite_check"] = _parse_bool(NONFINITE_CHECK_ENV, raw)
+        if (raw := env.get(WEIGHTS_EVERY_ENV)) is not None:
+            values["weights_every"] = _parse_int(WEIGHTS_EVERY_ENV, raw)
+        if (raw := env.get(WEIGHTS_OPTIMIZER_STATE_ENV)) is not None:
+            values["weights_include_optimizer_state"] = _parse_bool(
+                WEIGHTS_OPTIMIZER_STATE_ENV, raw
+            )
+        if (raw := env.get(FINGERPRINT_BACKEND_ENV)) is not None:
+            values["fingerprint_backend"] = raw.strip()
+        if (raw := env.get(FAULTS_ENV)) is not None:
+            try:
+                values["faults"] = parse_faults(raw)
+            except ConfigError as exc:
+                raise ConfigError(f"{FAULTS_ENV}: {exc}") from None
+        if (raw := env.get(NODE_NAME_ENV)) is not None and raw.strip():
+            values["node_name"] = raw.strip()
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            # Name the variable too when the bad value came from the environment.
+            field_name = str(exc).split(":", 1)[0]
+            env_name = _ENV_OF_FIELD.get(field_name)
+            if env_name is not None and field_name not in overrides and env_name in env:
+                raise ConfigError(f"{env_name}: {exc}") from None
+            raise

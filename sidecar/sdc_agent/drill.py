@@ -1,0 +1,151 @@
+"""A small, seeded DDP training run with the Guard on: for drills, the demo and tests.
+
+:func:`run_drill` trains a small MLP with dropout on synthetic data across local gloo
+processes (one per entry of ``nodes``), injects the requested faults, and returns what
+every rank saw. Everything is seeded, so two runs with the same arguments produce the
+same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import GuardConfig
+from .faults import FaultSpec
+from .fingerprint import Fingerprinter, format_fingerprint
+from .guard import Guard
+from .launch import spawn_local
+
+__all__ = ["Drill", "DrillRank", "make_model", "make_batch", "run_drill"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Drill:
+    """One training run. ``config`` holds :class:`~sdc_agent.GuardConfig` keyword arguments."""
+
+    steps: int = 20
+    faults: tuple[FaultSpec, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+    guarded: bool = True
+    """False trains the same model with plain DDP, for bitwise comparisons."""
+    seed: int = 0
+    width: int = 64
+    batch_size: int = 8
+    dropout: float = 0.1
+    lr: float = 1e-2
+    bucket_cap_mb: float = 0.01
+    """Small, so the model's gradients travel in several buckets."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrillRank:
+    """What one rank saw."""
+
+    rank: int
+    node: str
+    verdicts: list[dict[str, Any]]
+    applied: list[bool]
+    last_clean_step: list[int]
+    losses: list[float]
+    final_fingerprint: str
+    seconds: float
+
+
+def make_model(width: int, dropout: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, width),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 4),
+    )
+
+
+def make_batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s batch at ``step``: a fixed function of its arguments."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(batch_size, 16, generator=g)
+    y = torch.randn(batch_size, 4, generator=g)
+    return x, y
+
+
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRank]:
+    """Run ``drills`` one after the other on this rank (called by :func:`spawn_local`)."""
+    import time
+
+    out = []
+    for drill in drills:
+        torch.manual_seed(drill.seed)  # same initial weights everywhere...
+        model = make_model(drill.width, drill.dropout)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
+        torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
+        guard = (
+            Guard(
+                ddp,
+                optimizer,
+                mse_loss,
+                GuardConfig.from_env(faults=drill.faults, **drill.config),
+            )
+            if drill.guarded
+            else None
+        )
+        verdicts: list[dict[str, Any]] = []
+        applied: list[bool] = []
+        clean: list[int] = []
+        losses: list[float] = []
+        start = time.perf_counter()
+        for step in range(1, drill.steps + 1):
+            batch = make_batch(drill.seed, rank, step, drill.batch_size)
+            if guard is None:
+                optimizer.zero_grad(set_to_none=True)
+                loss = mse_loss(ddp, batch)
+                loss.backward()
+                optimizer.step()
+                applied.append(True)
+                losses.append(float(loss.item()))
+                continue
+            result = guard.step(batch)
+            verdicts.extend(v.to_dict() for v in result.verdicts)
+            applied.append(result.applied)
+            clean.append(guard.last_clean_step)
+            losses.append(result.loss if result.loss is not None else float("nan"))
+        seconds = time.perf_counter() - start
+        if guard is not None:
+            guard.close()
+        final = Fingerprinter("eager").many(list(model.parameters()))[0]
+        out.append(
+            DrillRank(
+                rank=rank,
+                node=guard.topology.node_of(dist.get_rank()) if guard else "",
+                verdicts=verdicts,
+                applied=applied,
+                last_clean_step=clean,
+                losses=losses,
+                final_fingerprint=format_fingerprint(final),
+                seconds=seconds,
+            )
+        )
+        dist.barrier()
+    return out
+
+
+def run_drill(
+    nodes: Sequence[str], drills: Sequence[Drill], *, env: dict[str, str] | None = None
+) -> list[list[DrillRank]]:
+    """Run ``drills`` on ``len(nodes)`` local processes; result ``[drill][rank]``."""
+    per_rank = spawn_local(drill_worker, nodes, (list(drills),), env=env)
+    return [[per_rank[r][d] for r in range(len(nodes))] for d in range(len(drills))]

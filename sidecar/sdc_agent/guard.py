@@ -1,0 +1,329 @@
+"""The training-loop entry point: :class:`Guard`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import GuardConfig
+from .errors import ConfigError, SDCError
+from .faults import FaultInjector, FaultSpec, corrupt_
+from .fingerprint import Fingerprinter
+from .nonfinite import NonFiniteMonitor, classify_nonfinite
+from .topology import Topology, discover_topology, local_node_name
+from .verdict import StepResult, Verdict
+from .weights import WeightFingerprints
+
+__all__ = ["Guard"]
+
+log = logging.getLogger("sdc_agent")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class Guard:
+    """Runs the checks around every training step of a DDP model.
+
+    The simple form does the whole step::
+
+        guard = sdc_agent.Guard(ddp_model, optimizer, loss_fn)
+        for batch in loader:
+            result = guard.step(batch)   # forward, backward, checks, optimizer step if clean
+
+    A custom loop calls the three phases itself::
+
+        guard.begin_step()
+        loss = ...; loss.backward()
+        if guard.check_gradients():
+            optimizer.step()
+        result = guard.finish_step(applied=..., loss=loss)
+
+    Creating a Guard is a collective (the ranks exchange their node names), as are
+    :meth:`check_gradients` and :meth:`finish_step`: every rank of the data-parallel
+    group must call them, in the same order. The Guard registers the model's DDP
+    communication hook; a model can have only one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | None = None,
+        config: GuardConfig | None = None,
+        *,
+        start_step: int = 0,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise ConfigError(
+                f"model: must be wrapped in torch.nn.parallel.DistributedDataParallel, "
+                f"got {type(model).__name__}"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer: must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError("loss_fn: must be callable as loss_fn(model, batch)")
+        if config is not None and not isinstance(config, GuardConfig):
+            raise ConfigError(f"config: must be a GuardConfig, got {type(config).__name__}")
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ConfigError(f"start_step: must be an integer >= 0, got {start_step!r}")
+        if not dist.is_initialized():
+            raise SDCError("torch.distributed is not initialized: call init_process_group first")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.config = config if config is not None else GuardConfig.from_env()
+        self.group: dist.ProcessGroup | None = getattr(model, "process_group", None)
+        self.rank = dist.get_rank()
+        self.group_rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group))
+        self.comm_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend
+            else torch.device("cpu")
+        )
+        self.topology: Topology = discover_topology(
+            self.group, local_node_name(self.config.node_name)
+        )
+
+        self._fingerprinter = Fingerprinter(self.config.fingerprint_backend)
+        self._nonfinite = NonFiniteMonitor()
+        self._weights = WeightFingerprints(
+            model.module,
+            optimizer,
+            self._fingerprinter,
+            self.config.weights_include_optimizer_state,
+        )
+        self._injector = FaultInjector(self.config.faults, self.rank)
+        self._injector.attach(model.module)
+        self._grad_targets = self._resolve_grad_targets()
+        model.register_comm_hook(state=None, hook=self._comm_hook)
+
+        self.step_count = start_step
+        """Steps begun so far; the current step while one is running."""
+        self.last_clean_step = start_step
+        """The newest step at which every check passed and, with the weight check on,
+        the replicas' weights were verified identical. A checkpoint of that step or an
+        earlier one is safe to resume from."""
+        self.weights_diverged = False
+        """Set when check 3 failed: the replicas' weights differ, and no later step can
+        be clean until the job restores a checkpoint (see :meth:`restore`)."""
+        self._in_step = False
+        self._grad_verdicts: list[Verdict] = []
+        self._reported_weight_suspects: tuple[int, ...] = ()
+
+    # -- the simple form -----------------------------------------------------------------
+
+    def step(self, batch: Any) -> StepResult:
+        """Forward, backward, checks, and the optimizer step when the checks pass."""
+        if self.loss_fn is None:
+            raise ConfigError("loss_fn: Guard.step needs one; pass loss_fn(model, batch)")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.begin_step()
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise SDCError("loss_fn must return a scalar tensor")
+        loss.backward()
+        applied = self.check_gradients()
+        if applied:
+            self.optimizer.step()
+        return self.finish_step(applied=applied, loss=loss)
+
+    # -- the phases ----------------------------------------------------------------------
+
+    def begin_step(self) -> int:
+        """Start a step (before its forward pass); returns the step number."""
+        if self._in_step:
+            raise SDCError("begin_step called twice without finish_step")
+        self._in_step = True
+        self.step_count += 1
+        self._injector.step = self.step_count
+        self._nonfinite.reset()
+        self._grad_verdicts = []
+        return self.step_count
+
+    def check_gradients(self) -> bool:
+        """After backward: run check 1 across ranks; true when the step is safe to apply."""
+        self._require_step("check_gradients")
+        if not self.config.nonfinite_check:
+            self._nonfinite.reset()
+            return True
+        before, after = self._nonfinite.exchange(self.group, self.comm_device)
+        finding = classify_nonfinite(before, after)
+        if finding is None:
+            return True
+        suspects = tuple(self.topology.global_rank(r) for r in finding.suspects)
+        self._grad_verdicts.append(
+            Verdict(
+                check="nonfinite",
+                step=self.step_count,
+                classification=finding.classification,  # type: ignore[arg-type]
+                suspect_ranks=suspects,
+                suspect_nodes=self.topology.nodes_of(finding.suspects),
+                localized=finding.localized,
+                last_clean_step=self.last_clean_step,
+                message=finding.message,
+                evidence={
+                    "nonfinite_before_allreduce": self._global(before),
+                    "nonfinite_after_allreduce": self._global(after),
+                },
+            )
+        )
+        return False
+
+    def finish_step(self, *, applied: bool, loss: torch.Tensor | float | None = None) -> StepResult:
+        """After the optimizer step (or after skipping it): weight check and bookkeeping."""
+        self._require_step("finish_step")
+        step = self.step_count
+        if applied:
+            for spec in self._injector.active("weights"):
+                corrupt_(self._weight_target(spec), spec)
+        verdicts = list(self._grad_verdicts)
+        weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
+        if weights_checked:
+            verdict = self._check_weights(step)
+            if verdict is not None:
+                # Diverged weights stay diverged: report each new split once.
+                if verdict.suspect_ranks != self._reported_weight_suspects:
+                    verdicts.append(verdict)
+                    self._reported_weight_suspects = verdict.suspect_ranks
+                self.weights_diverged = True
+        if (
+            not verdicts
+            and not self.weights_diverged
+            and (weights_checked or self.config.weights_every == 0)
+        ):
+            self.last_clean_step = step
+        for v in verdicts:
+            log.log(
+                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
+                "sdc_agent verdict at step %d (%s check): %s",
+                step,
+                v.check,
+                v.message,
+            )
+        self._in_step = False
+        loss_value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else loss
+        return StepResult(step=step, loss=loss_value, applied=applied, verdicts=tuple(verdicts))
+
+    def restore(self, step: int) -> None:
+        """The job reloaded a checkpoint of ``step``: count from there, weights trusted."""
+        if self._in_step:
+            raise SDCError("restore called during a step")
+        self.step_count = step
+        self.last_clean_step = step
+        self.weights_diverged = False
+        self._reported_weight_suspects = ()
+
+    def close(self) -> None:
+        """Remove the forward hooks of injected faults (the comm hook stays with DDP)."""
+        self._injector.detach()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _require_step(self, what: str) -> None:
+        if not self._in_step:
+            raise SDCError(f"{what} called outside a step: call begin_step first")
+
+    def _global(self, flags: list[bool]) -> list[int]:
+        return [self.topology.global_rank(r) for r, bad in enumerate(flags) if bad]
+
+    def _check_weights(self, step: int) -> Verdict | None:
+        split, evidence = self._weights.compare(self.group, self.comm_device)
+        if split is None:
+            return None
+        suspects = tuple(self.topology.global_rank(r) for r in split.suspects)
+        differing = evidence.get("differing_tensors")
+        if isinstance(differing, dict):
+            evidence["differing_tensors"] = {
+                str(self.topology.global_rank(int(r))): names for r, names in differing.items()
+            }
+        if split.localized:
+            message = (
+                f"weights of rank(s) {', '.join(map(str, suspects))} differ from the "
+                f"majority of {self.world_size} replicas"
+            )
+        else:
+            message = (
+                f"replica weights differ and no majority agrees (ranks "
+                f"{', '.join(map(str, suspects))}): cannot tell which is wrong"
+            )
+        return Verdict(
+            check="weights",
+            step=step,
+            classification="replica",
+            suspect_ranks=suspects,
+            suspect_nodes=self.topology.nodes_of(split.suspects),
+            localized=split.localized,
+            last_clean_step=self.last_clean_step,
+            message=message,
+            evidence=evidence,
+        )
+
+    def _resolve_grad_targets(self) -> dict[FaultSpec, nn.Parameter]:
+        params = dict(self.model.module.named_parameters())
+        return {
+            spec: params[spec.target]
+            for spec in self._injector.specs
+            if spec.site in ("grad_local", "grad_reduced") and spec.target is not None
+        }
+
+    def _weight_target(self, spec: FaultSpec) -> torch.Tensor:
+        params = dict(self.model.module.named_parameters())
+        name = spec.target if spec.target is not None else next(iter(params))
+        return params[name].data
+
+    def _inject_grad(self, site: str, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
+        for spec in self._injector.active(site):
+            param = self._grad_targets.get(spec)
+            if param is None:
+                if bucket.index() == 0:
+                    corrupt_(tensor, spec)
+                continue
+            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                if p is param:
+                    # bucket.gradients() are views of the bucket buffer before the
+                    # all-reduce; afterwards, hit the same span of the reduced tensor.
+                    start = grad.data_ptr() - bucket.buffer().data_ptr()
+                    offset = start // tensor.element_size()
+                    corrupt_(tensor.view(-1)[offset : offset + grad.numel()], spec)
+
+    def _comm_hook(
+        self, _state: object, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if self._injector:
+            self._inject_grad("grad_local", bucket, buffer)
+        if self.config.nonfinite_check:
+            self._nonfinite.observe_local(buffer)
+        # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
+        # size; dividing differs in the last bit when the world size is not a power of
+        # two), so guarded training gives bit-identical weights.
+        buffer.mul_(1.0 / self.world_size)
+        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+
+        def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = f.value()[0]
+            if self._injector:
+                self._inject_grad("grad_reduced", bucket, reduced)
+            if self.config.nonfinite_check:
+                self._nonfinite.observe_reduced(reduced)
+            return reduced
+
+        return fut.then(after)
+
+
+# DDP checks a hook's annotations by identity with the real types, and postponed
+# evaluation (``from __future__ import annotations``) left strings there.
+Guard._comm_hook.__annotations__.update(
+    bucket=dist.GradBucket, _state=object, **{"return": torch.futures.Future[torch.Tensor]}
+)

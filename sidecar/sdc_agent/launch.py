@@ -1,0 +1,132 @@
+"""Run a function on several local ``torch.distributed`` (gloo) processes.
+
+For demos, drills and tests on one machine: each process gets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and a ``NODE_NAME`` of its own choosing, so one host can stand in for
+several nodes. Not a replacement for ``torchrun`` on a cluster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .errors import SDCError
+
+__all__ = ["free_port", "spawn_local"]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    rank: int,
+    nodes: Sequence[str],
+    port: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    extra_env: dict[str, str],
+    results: Any,
+) -> None:
+    world = len(nodes)
+    local_rank = sum(1 for n in nodes[:rank] if n == nodes[rank])
+    os.environ.update(extra_env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank),
+            "NODE_NAME": nodes[rank],
+        }
+    )
+    # One thread per rank: with more, ranks sharing few cores slow each other down.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
+        try:
+            value = target(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn_local(
+    target: Callable[..., Any],
+    nodes: Sequence[str],
+    args: tuple[Any, ...] = (),
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+) -> list[Any]:
+    """Run ``target(rank, world_size, *args)`` on ``len(nodes)`` processes.
+
+    ``nodes[r]`` is rank ``r``'s ``NODE_NAME``. Returns each rank's return value, by
+    rank. ``target`` must be importable (a module-level function) and its return value
+    picklable. A failure on any rank raises :class:`SDCError` with that rank's traceback.
+    """
+    if not nodes:
+        raise SDCError("spawn_local: nodes must name at least one node")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, list(nodes), port, target, args, dict(env or {}), results),
+            daemon=True,
+        )
+        for rank in range(len(nodes))
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(values) + len(failures) < len(procs):
+            if datetime.datetime.now() > deadline:
+                raise SDCError(f"spawn_local: ranks did not finish within {timeout:.0f} s")
+            if results.empty():
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    # A rank died without reporting (killed, segfault): give the queue a
+                    # moment for the others, then fail.
+                    procs[0].join(timeout=1.0)
+                    if results.empty():
+                        codes = ", ".join(f"{p.exitcode}" for p in dead)
+                        raise SDCError(f"spawn_local: a rank died without a result (exit {codes})")
+                procs[0].join(timeout=0.05)
+                continue
+            rank, ok, value = results.get()
+            if ok:
+                values[rank] = value
+            else:
+                # The other ranks are probably stuck in a collective with the dead one.
+                failures.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if failures else 10.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise SDCError("\n".join(failures))
+    return [values[r] for r in range(len(procs))]

@@ -1,0 +1,88 @@
+"""Which rank runs on which node: exchanged once, at start-up, over the data-parallel group."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["RankIdentity", "Topology", "discover_topology", "local_node_name"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankIdentity:
+    rank: int
+    """Global rank."""
+    node: str
+    local_rank: int
+    """Position among the ranks of the same node, in rank order."""
+    pod: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Identities of the ranks of one data-parallel group, indexed by group rank."""
+
+    ranks: tuple[RankIdentity, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Node names in order of their lowest rank."""
+        return tuple(dict.fromkeys(r.node for r in self.ranks))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank].rank
+
+    def node_of(self, group_rank: int) -> str:
+        return self.ranks[group_rank].node
+
+    def nodes_of(self, group_ranks: list[int] | tuple[int, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.ranks[r].node for r in group_ranks))
+
+    def local_world_size(self, node: str) -> int:
+        return sum(1 for r in self.ranks if r.node == node)
+
+    @classmethod
+    def from_nodes(cls, nodes: list[str], global_ranks: list[int] | None = None) -> Topology:
+        """Build from each group rank's node name (what :func:`discover_topology` gathers)."""
+        seen: dict[str, int] = {}
+        ranks = []
+        for i, node in enumerate(nodes):
+            local = seen.get(node, 0)
+            seen[node] = local + 1
+            rank = i if global_ranks is None else global_ranks[i]
+            ranks.append(RankIdentity(rank=rank, node=node, local_rank=local, pod=None))
+        return cls(tuple(ranks))
+
+
+def local_node_name(configured: str | None = None) -> str:
+    """``configured``, else env ``NODE_NAME`` (downward API), else the host name."""
+    return configured or os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
+
+
+def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
+    """All-gather every rank's node and pod name (a collective: every rank must call it)."""
+    world = dist.get_world_size(group)
+    mine = {"rank": dist.get_rank(), "node": node, "pod": os.environ.get("POD_NAME") or None}
+    gathered: list[dict[str, object] | None] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    base = Topology.from_nodes(
+        [str(g["node"]) for g in gathered if g is not None],
+        [int(str(g["rank"])) for g in gathered if g is not None],
+    )
+    ranks = tuple(
+        RankIdentity(rank=r.rank, node=r.node, local_rank=r.local_rank, pod=_pod(g))
+        for r, g in zip(base.ranks, gathered, strict=True)
+    )
+    return Topology(ranks)
+
+
+def _pod(info: dict[str, object] | None) -> str | None:
+    pod = None if info is None else info.get("pod")
+    return str(pod) if pod else None

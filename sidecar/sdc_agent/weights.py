@@ -1,0 +1,136 @@
+"""Check 3: data-parallel replicas must hold bit-identical weights after every update."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .fingerprint import Fingerprinter, format_fingerprint
+
+__all__ = ["MajoritySplit", "WeightFingerprints", "split_majority"]
+
+# Per-rank fingerprints go into the evidence up to this world size; beyond, only groups.
+_EVIDENCE_MAX_RANKS = 64
+# At most this many differing tensor names per suspect in the evidence.
+_EVIDENCE_MAX_TENSORS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class MajoritySplit:
+    suspects: tuple[int, ...]
+    """Indices whose value is outside the majority (every index when there is none)."""
+    localized: bool
+    """True when a strict majority agrees, so the rest can be named."""
+    reference: int | None
+    """The lowest index of the majority (or of the unique largest group), if any."""
+
+
+def split_majority(values: Sequence[Hashable]) -> MajoritySplit | None:
+    """``None`` when all values agree; else who disagrees with the strict majority.
+
+    Without a strict majority (two replicas that differ, an even split) nobody can be
+    singled out: every index outside a unique largest group is named, or every index when
+    the largest groups tie, and ``localized`` is false.
+    """
+    counts = Counter(values)
+    if len(counts) <= 1:
+        return None
+    ranked = counts.most_common()
+    top_value, top_count = ranked[0]
+    tie = len(ranked) > 1 and ranked[1][1] == top_count
+    if tie:
+        return MajoritySplit(tuple(range(len(values))), False, None)
+    outside = tuple(i for i, v in enumerate(values) if v != top_value)
+    reference = next(i for i, v in enumerate(values) if v == top_value)
+    if top_count * 2 > len(values):
+        return MajoritySplit(outside, True, reference)
+    return MajoritySplit(outside, False, reference)
+
+
+class WeightFingerprints:
+    """Fingerprints parameters (and optimizer state) and compares them across replicas."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        fingerprinter: Fingerprinter,
+        include_optimizer_state: bool,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.fingerprinter = fingerprinter
+        self.include_optimizer_state = include_optimizer_state
+
+    def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        """Named tensors to compare, in a deterministic order."""
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for name, param in self.module.named_parameters():
+            names.append(name)
+            tensors.append(param)
+            if not self.include_optimizer_state:
+                continue
+            state = self.optimizer.state.get(param, {})
+            for key in sorted(state, key=str):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    names.append(f"{name}:{key}")
+                    tensors.append(value)
+        return names, tensors
+
+    def compare(
+        self, group: dist.ProcessGroup | None, device: torch.device
+    ) -> tuple[MajoritySplit | None, dict[str, object]]:
+        """All-gather the combined fingerprint; on a mismatch find which tensors differ.
+
+        A collective: every rank of ``group`` must call it at the same step. Returns the
+        split (``None`` when every replica agrees) and evidence for a verdict.
+        """
+        names, tensors = self.tensors()
+        combined, per_tensor = self.fingerprinter.many(tensors)
+        world = dist.get_world_size(group)
+        mine = combined.to(device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        rows = [tuple(g.tolist()) for g in gathered]
+        split = split_majority(rows)
+        if split is None:
+            return None, {}
+        evidence: dict[str, object] = {
+            "groups": sorted(Counter(format_fingerprint(r) for r in rows).values(), reverse=True),
+        }
+        if world <= _EVIDENCE_MAX_RANKS:
+            evidence["fingerprints"] = [format_fingerprint(r) for r in rows]
+        evidence["differing_tensors"] = self._differing(split, names, per_tensor, group, device)
+        return split, evidence
+
+    def _differing(
+        self,
+        split: MajoritySplit,
+        names: list[str],
+        per_tensor: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> dict[str, list[str]]:
+        # Compare against one majority replica's per-tensor fingerprints: broadcast them,
+        # let every rank diff its own, gather the (short) lists of names.
+        if split.reference is None:
+            return {}
+        reference = per_tensor.to(device).clone()
+        dist.broadcast(
+            reference,
+            dist.get_global_rank(group, split.reference) if group is not None else split.reference,
+            group=group,
+        )
+        mine = (per_tensor.to(device) != reference).any(dim=1).nonzero().flatten().tolist()
+        diff = [names[i] for i in mine[:_EVIDENCE_MAX_TENSORS]]
+        world = dist.get_world_size(group)
+        gathered: list[list[str] | None] = [None] * world
+        dist.all_gather_object(gathered, diff, group=group)
+        return {str(r): gathered[r] or [] for r in split.suspects}
