@@ -81,8 +81,11 @@ class GuardConfig:
     triples the check's cost with Adam."""
 
     fingerprint_backend: str = "auto"
-    """``auto`` (compiled kernel on CUDA, eager on CPU), ``compile`` or ``eager`` (env
-    ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints."""
+    """``auto`` (a kernel fused by ``torch.compile``, falling back to eager with a warning
+    where compiling fails), ``compile`` or ``eager`` (env
+    ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints; compiling
+    costs seconds once per process at start-up, eager is about ten times slower per
+    byte. Tests and the demo use ``eager``: their models are tiny."""
 
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see

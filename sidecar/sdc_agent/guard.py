@@ -103,6 +103,12 @@ class Guard:
             self._fingerprinter,
             self.config.weights_include_optimizer_state,
         )
+        if self.config.weights_every > 0:
+            # Compile the fingerprint kernels now, not in the middle of training.
+            first = next(model.module.parameters(), None)
+            if first is not None:
+                dtypes = {p.dtype for p in model.module.parameters()} | {torch.float32}
+                self._fingerprinter.warm_up(dtypes, first.device)
         self._injector = FaultInjector(self.config.faults, self.rank)
         self._injector.attach(model.module)
         self._grad_targets = self._resolve_grad_targets()

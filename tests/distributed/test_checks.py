@@ -39,7 +39,9 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
     ),
     "grad_local_inf_in_a_named_parameter": (
         Drill(
-            steps=8, faults=(fault(2, 3, "grad_local", "inf", target="3.weight"),), config=EVERY_STEP
+            steps=8,
+            faults=(fault(2, 3, "grad_local", "inf", target="3.weight"),),
+            config=EVERY_STEP,
         ),
         ("nonfinite", 3, "rank", (2,)),
     ),
@@ -148,7 +150,7 @@ def test_fault_is_caught_where_and_when_it_happens(
     world: tuple[int, dict[str, list[DrillRank]]], name: str
 ) -> None:
     size, results = world
-    drill, want = SCENARIOS[name]
+    _, want = SCENARIOS[name]
     assert want is not None
     r = same_on_every_rank(results[name][:size])
     assert r.verdicts, f"{name}: nothing caught"

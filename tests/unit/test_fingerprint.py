@@ -41,7 +41,9 @@ def test_matches_the_definition(dtype: torch.dtype, n: int) -> None:
     assert as_unsigned(EAGER(t)) == reference(t)
 
 
-@pytest.mark.parametrize("n", [_EAGER_CHUNK - 1, _EAGER_CHUNK, _EAGER_CHUNK + 1, 3 * _EAGER_CHUNK + 5])
+@pytest.mark.parametrize(
+    "n", [_EAGER_CHUNK - 1, _EAGER_CHUNK, _EAGER_CHUNK + 1, 3 * _EAGER_CHUNK + 5]
+)
 def test_chunked_eager_equals_single_pass(n: int) -> None:
     t = torch.randn(n, generator=torch.Generator().manual_seed(1))
     assert torch.equal(EAGER(t), _fused_words(_as_flat_bits(t)))
@@ -99,10 +101,10 @@ def test_non_contiguous_and_shaped_tensors_use_logical_order() -> None:
 
 def test_other_dtypes() -> None:
     cases = [
-        (torch.arange(10, dtype=torch.int64), 99),
-        (torch.ones(5, dtype=torch.bool), False),
-        (torch.randn(4, dtype=torch.float64), 0.5),
-        (torch.randn(3, dtype=torch.complex64), 1j),
+        (torch.arange(10, dtype=torch.int64), torch.tensor(99)),
+        (torch.ones(5, dtype=torch.bool), torch.tensor(False)),
+        (torch.randn(4, dtype=torch.float64), torch.tensor(0.5)),
+        (torch.randn(3, dtype=torch.complex64), torch.tensor(1j)),
     ]
     for t, other in cases:
         fp = EAGER(t)
@@ -138,3 +140,12 @@ def test_compiled_backend_equals_eager() -> None:
         for n in (1, 1000, 12345):
             t = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
             assert torch.equal(compiled(t), EAGER(t)), (dtype, n)
+
+
+def test_compiled_16_bit_pairs_equal_eager_for_odd_lengths_and_offsets() -> None:
+    compiled = Fingerprinter("compile")
+    base = torch.randn(2001, generator=torch.Generator().manual_seed(5))
+    for dtype in (torch.bfloat16, torch.float16):
+        t = base.to(dtype)
+        for view in (t, t[1:], t[:-1], t[3:1500]):
+            assert torch.equal(compiled(view), EAGER(view)), (dtype, view.numel())
