@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 
 def worker(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
-    runners = {}
+    runners: dict[str, Callable[[Any], object]] = {}
     for name, config in VARIANTS.items():
         torch.manual_seed(0)
         ddp = DistributedDataParallel(make_model())

@@ -60,6 +60,9 @@ def _child(
         )
         try:
             value = target(rank, world, *args)
+            # Tear down together: gloo can abort a rank whose peers disconnect while it
+            # is still shutting down (seen with torch 2.13).
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         results.put((rank, True, value))
