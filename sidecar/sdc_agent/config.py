@@ -24,6 +24,10 @@ WEIGHTS_EVERY_ENV = "HYPERPOD_SDC_WEIGHTS_EVERY"
 WEIGHTS_OPTIMIZER_STATE_ENV = "HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE"
 FINGERPRINT_BACKEND_ENV = "HYPERPOD_SDC_FINGERPRINT_BACKEND"
 FAULTS_ENV = "HYPERPOD_SDC_FAULTS"
+REPLAY_EVERY_ENV = "HYPERPOD_SDC_REPLAY_EVERY"
+REPLAY_PROBABILITY_ENV = "HYPERPOD_SDC_REPLAY_PROBABILITY"
+REPLAY_MODE_ENV = "HYPERPOD_SDC_REPLAY_MODE"
+REPLAY_MODES: tuple[str, ...] = ("audit", "calibrate")
 NODE_NAME_ENV = "NODE_NAME"
 
 _ENV_OF_FIELD = {
@@ -32,6 +36,9 @@ _ENV_OF_FIELD = {
     "weights_include_optimizer_state": WEIGHTS_OPTIMIZER_STATE_ENV,
     "fingerprint_backend": FINGERPRINT_BACKEND_ENV,
     "faults": FAULTS_ENV,
+    "replay_every": REPLAY_EVERY_ENV,
+    "replay_probability": REPLAY_PROBABILITY_ENV,
+    "replay_mode": REPLAY_MODE_ENV,
 }
 
 # Every HYPERPOD_SDC_* name the project reads, agent and operator; anything else with the
@@ -87,6 +94,24 @@ class GuardConfig:
     costs seconds once per process at start-up, eager is about ten times slower per
     byte. Tests and the demo use ``eager``: their models are tiny."""
 
+    replay_every: int = 50
+    """Check 2: every this many steps each rank recomputes a partner's micro-batch on
+    another node; 0 turns the scheduled audits off (env ``HYPERPOD_SDC_REPLAY_EVERY``).
+    Costs about one extra forward and backward of one micro-batch per audit, so roughly
+    ``1 / replay_every`` of a step's compute (see ``bench/overhead.py``). Needs
+    :meth:`Guard.step` (the audit must see the micro-batch and the loss function) and
+    deterministic kernels (see :func:`sdc_agent.enable_determinism`)."""
+
+    replay_probability: float = 0.0
+    """Also audit any other step with this probability, drawn from a seed the ranks share,
+    so audits come at steps nobody can predict (env ``HYPERPOD_SDC_REPLAY_PROBABILITY``)."""
+
+    replay_mode: str = "audit"
+    """``audit`` (mismatches are verdicts and the step is not applied) or ``calibrate``
+    (replay, count how often replays differ in :attr:`Guard.replay_stats`, accuse nobody,
+    skip nothing): run ``calibrate`` first to see whether a model is deterministic (env
+    ``HYPERPOD_SDC_REPLAY_MODE``)."""
+
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see
     :mod:`sdc_agent.faults`. Empty in production."""
@@ -112,6 +137,27 @@ class GuardConfig:
                 "weights_include_optimizer_state: must be a bool, "
                 f"got {self.weights_include_optimizer_state!r}"
             )
+        if (
+            not isinstance(self.replay_every, int)
+            or isinstance(self.replay_every, bool)
+            or self.replay_every < 0
+        ):
+            raise ConfigError(
+                f"replay_every: must be an integer >= 0 (0 turns the audit off), "
+                f"got {self.replay_every!r}"
+            )
+        if (
+            not isinstance(self.replay_probability, float | int)
+            or isinstance(self.replay_probability, bool)
+            or not 0.0 <= self.replay_probability <= 1.0
+        ):
+            raise ConfigError(
+                f"replay_probability: must be a number from 0 to 1, got {self.replay_probability!r}"
+            )
+        if self.replay_mode not in REPLAY_MODES:
+            raise ConfigError(
+                f"replay_mode: must be one of {', '.join(REPLAY_MODES)}, got {self.replay_mode!r}"
+            )
         if self.fingerprint_backend not in FINGERPRINT_BACKENDS:
             raise ConfigError(
                 f"fingerprint_backend: must be one of {', '.join(FINGERPRINT_BACKENDS)}, "
@@ -125,6 +171,10 @@ class GuardConfig:
             not isinstance(self.node_name, str) or not self.node_name
         ):
             raise ConfigError(f"node_name: must be a non-empty string, got {self.node_name!r}")
+
+    @property
+    def replay_enabled(self) -> bool:
+        return self.replay_every > 0 or self.replay_probability > 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
@@ -157,6 +207,17 @@ class GuardConfig:
             values["weights_include_optimizer_state"] = _parse_bool(
                 WEIGHTS_OPTIMIZER_STATE_ENV, raw
             )
+        if (raw := env.get(REPLAY_EVERY_ENV)) is not None:
+            values["replay_every"] = _parse_int(REPLAY_EVERY_ENV, raw)
+        if (raw := env.get(REPLAY_PROBABILITY_ENV)) is not None:
+            try:
+                values["replay_probability"] = float(raw)
+            except ValueError:
+                raise ConfigError(
+                    f"{REPLAY_PROBABILITY_ENV}: expected a number, got {raw!r}"
+                ) from None
+        if (raw := env.get(REPLAY_MODE_ENV)) is not None:
+            values["replay_mode"] = raw.strip()
         if (raw := env.get(FINGERPRINT_BACKEND_ENV)) is not None:
             values["fingerprint_backend"] = raw.strip()
         if (raw := env.get(FAULTS_ENV)) is not None:

@@ -8,6 +8,8 @@ same bits.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,13 @@ class Drill:
     lr: float = 1e-2
     bucket_cap_mb: float = 0.01
     """Small, so the model's gradients travel in several buckets."""
+    micro_batches: int = 1
+    """Gradient accumulation: micro-batches per step."""
+    poison: tuple[int, int] | None = None
+    """``(rank, step)``: put a NaN into that rank's input batch at that step (bad data)."""
+    noise: float = 0.0
+    """Add noise from a private, unseeded generator to a hidden layer: a model that is
+    not deterministic (its replays differ)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,17 +65,34 @@ class DrillRank:
     losses: list[float]
     final_fingerprint: str
     seconds: float
+    replay_comparisons: int
+    replay_mismatches: int
 
 
-def make_model(width: int, dropout: float) -> nn.Module:
-    return nn.Sequential(
+class _Noise(nn.Module):
+    """Adds noise the replay cannot reproduce: its generator is private and unseeded."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * torch.rand(x.shape, generator=self.generator)
+
+
+def make_model(width: int, dropout: float, noise: float = 0.0) -> nn.Module:
+    layers: list[nn.Module] = [
         nn.Linear(16, width),
         nn.ReLU(),
         nn.Dropout(dropout),
         nn.Linear(width, width),
         nn.ReLU(),
         nn.Linear(width, 4),
-    )
+    ]
+    if noise:
+        layers.append(_Noise(noise))
+    return nn.Sequential(*layers)
 
 
 def make_batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -89,7 +115,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
     out = []
     for drill in drills:
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
-        model = make_model(drill.width, drill.dropout)
+        model = make_model(drill.width, drill.dropout, drill.noise)
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
@@ -109,16 +135,28 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         losses: list[float] = []
         start = time.perf_counter()
         for step in range(1, drill.steps + 1):
-            batch = make_batch(drill.seed, rank, step, drill.batch_size)
+            micro = [
+                make_batch(drill.seed, rank, step * 100 + j, drill.batch_size)
+                for j in range(drill.micro_batches)
+            ]
+            if drill.poison == (rank, step):
+                micro[0][0][0, 0] = float("nan")
             if guard is None:
                 optimizer.zero_grad(set_to_none=True)
-                loss = mse_loss(ddp, batch)
-                loss.backward()
+                total = 0.0
+                for j, batch in enumerate(micro):
+                    last = j == len(micro) - 1
+                    with contextlib.nullcontext() if last else ddp.no_sync():
+                        loss = mse_loss(ddp, batch)
+                        (loss / len(micro) if len(micro) > 1 else loss).backward()
+                    total += float(loss.item())
                 optimizer.step()
                 applied.append(True)
-                losses.append(float(loss.item()))
+                losses.append(total / len(micro))
                 continue
-            result = guard.step(batch)
+            result = (
+                guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
+            )
             verdicts.extend(v.to_dict() for v in result.verdicts)
             applied.append(result.applied)
             clean.append(guard.last_clean_step)
@@ -137,6 +175,8 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 losses=losses,
                 final_fingerprint=format_fingerprint(final),
                 seconds=seconds,
+                replay_comparisons=guard.replay_stats.comparisons if guard else 0,
+                replay_mismatches=guard.replay_stats.mismatches if guard else 0,
             )
         )
         dist.barrier()

@@ -1,7 +1,10 @@
 """Fault injection, for drills and tests: corrupt one rank's numbers on purpose.
 
 A :class:`FaultSpec` says where (``site``), what (``kind``), on which global ``rank`` and
-from which ``step`` (only that step, or every step from it when ``persistent``). Faults
+at which ``step``. A transient fault (the default) hits the first computation at its site
+during that step and nothing else: a glitch. A ``persistent`` one hits every computation
+at its site from that step on, including the rank's replays of other ranks' work: a
+broken GPU. Faults
 are part of the product so users can prove, on their own cluster, that a corrupted GPU is
 caught. Give them to :class:`~sdc_agent.GuardConfig` as ``faults=`` or in the environment
 variable ``HYPERPOD_SDC_FAULTS``::
@@ -59,7 +62,8 @@ class FaultSpec:
     site: Site
     kind: Kind
     persistent: bool = False
-    """Corrupt every step from ``step`` on, not only ``step`` (a broken GPU, not a glitch)."""
+    """Corrupt every computation at the site from ``step`` on (a broken GPU), not only the
+    first one at ``step`` (a glitch)."""
     index: int | None = 0
     """Flat element index in the tensor hit; ``None`` hits every element."""
     target: str | None = None
@@ -213,13 +217,32 @@ class FaultInjector:
     def __init__(self, specs: Iterable[FaultSpec], rank: int) -> None:
         self.specs = tuple(s for s in specs if s.rank == rank)
         self.step = 0
+        self._fired: set[FaultSpec] = set()
         self._handles: list[Any] = []
 
     def __bool__(self) -> bool:
         return bool(self.specs)
 
-    def active(self, site: str) -> list[FaultSpec]:
-        return [s for s in self.specs if s.site == site and s.active(self.step)]
+    def pending(self, site: str) -> list[FaultSpec]:
+        """Faults at ``site`` that would hit a computation happening now."""
+        return [
+            s
+            for s in self.specs
+            if s.site == site and s.active(self.step) and (s.persistent or s not in self._fired)
+        ]
+
+    def fire(self, spec: FaultSpec) -> bool:
+        """Claim ``spec`` for the computation happening now; false if it must not hit it.
+
+        A transient fault fires once, at its step.
+        """
+        if not spec.active(self.step):
+            return False
+        if not spec.persistent:
+            if spec in self._fired:
+                return False
+            self._fired.add(spec)
+        return True
 
     def attach(self, module: nn.Module) -> None:
         """Check targets against ``module`` and hook the ``forward`` faults into it."""
@@ -242,7 +265,7 @@ class FaultInjector:
 
     def _forward_hook(self, spec: FaultSpec) -> Callable[..., Any]:
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
-            if not spec.active(self.step):
+            if not self.fire(spec):
                 return None
             if isinstance(output, torch.Tensor):
                 return _CorruptForward.apply(output, spec)

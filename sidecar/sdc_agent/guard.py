@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,11 +12,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .audit import AuditOutcome, ReplayAudit, ReplayStats
 from .config import GuardConfig
 from .errors import ConfigError, SDCError
 from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
-from .nonfinite import NonFiniteMonitor, classify_nonfinite
+from .nonfinite import NonFiniteFinding, NonFiniteMonitor, classify_nonfinite
+from .replay import Payload
 from .topology import Topology, discover_topology, local_node_name
 from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints
@@ -112,6 +115,18 @@ class Guard:
         self._injector = FaultInjector(self.config.faults, self.rank)
         self._injector.attach(model.module)
         self._grad_targets = self._resolve_grad_targets()
+        self._audit = ReplayAudit(
+            module=model.module,
+            loss_fn=loss_fn,
+            topology=self.topology,
+            group=self.group,
+            comm_device=self.comm_device,
+            fingerprinter=self._fingerprinter,
+            injector=self._injector,
+            every=self.config.replay_every,
+            probability=self.config.replay_probability,
+            calibrate=self.config.replay_mode == "calibrate",
+        )
         model.register_comm_hook(state=None, hook=self._comm_hook)
 
         self.step_count = start_step
@@ -125,24 +140,55 @@ class Guard:
         be clean until the job restores a checkpoint (see :meth:`restore`)."""
         self._in_step = False
         self._grad_verdicts: list[Verdict] = []
+        self._audited_clean = False
         self._reported_weight_suspects: tuple[int, ...] = ()
+        # The newest step each verifying check vouched for; last_clean_step is the oldest.
+        self._verified = {"weights": start_step, "replay": start_step}
+
+    @property
+    def replay_stats(self) -> ReplayStats:
+        """How many replays were compared and how many differed (see ``replay_mode``)."""
+        return self._audit.stats
 
     # -- the simple form -----------------------------------------------------------------
 
-    def step(self, batch: Any) -> StepResult:
-        """Forward, backward, checks, and the optimizer step when the checks pass."""
+    def step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> StepResult:
+        """Forward, backward, checks, and the optimizer step when the checks pass.
+
+        With ``micro_batches`` (gradient accumulation) every micro-batch's loss is divided
+        by their number before backward, gradients are all-reduced once, after the last,
+        and the replay audit checks the first micro-batch. ``result.loss`` is then the mean.
+        """
         if self.loss_fn is None:
             raise ConfigError("loss_fn: Guard.step needs one; pass loss_fn(model, batch)")
+        if micro_batches is None:
+            micro_batches = [batch]
+        elif batch is not None:
+            raise ConfigError("micro_batches: pass either batch or micro_batches, not both")
+        elif len(micro_batches) == 0:
+            raise ConfigError("micro_batches: must hold at least one micro-batch")
+        count = len(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         self.begin_step()
-        loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise SDCError("loss_fn must return a scalar tensor")
-        loss.backward()
+        total = torch.zeros(())
+        for j, micro in enumerate(micro_batches):
+            last = j == count - 1
+            if j == 0:
+                self._audit.payload = Payload.capture(micro, count)
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                loss = self.loss_fn(self.model, micro)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise SDCError("loss_fn must return a scalar tensor")
+                if j == 0:
+                    self._audit.own_loss = loss.detach()
+                (loss / count if count > 1 else loss).backward()
+            if j == 0 and not last:
+                self._audit.observe_grads()
+            total = total + loss.detach().float().cpu()
         applied = self.check_gradients()
         if applied:
             self.optimizer.step()
-        return self.finish_step(applied=applied, loss=loss)
+        return self.finish_step(applied=applied, loss=total / count)
 
     # -- the phases ----------------------------------------------------------------------
 
@@ -155,44 +201,94 @@ class Guard:
         self._injector.step = self.step_count
         self._nonfinite.reset()
         self._grad_verdicts = []
+        self._audited_clean = False
+        self._audit.begin(self.step_count)
         return self.step_count
 
     def check_gradients(self) -> bool:
-        """After backward: run check 1 across ranks; true when the step is safe to apply."""
+        """After backward: run checks 1 and 2 across ranks; true when the step is safe to
+        apply. A collective."""
         self._require_step("check_gradients")
-        if not self.config.nonfinite_check:
+        if self.config.nonfinite_check:
+            before, after = self._nonfinite.exchange(self.group, self.comm_device)
+            finding = classify_nonfinite(before, after)
+            if finding is not None:
+                self._grad_verdicts.append(self._nonfinite_verdict(finding, before, after))
+                return False
+        else:
             self._nonfinite.reset()
-            return True
-        before, after = self._nonfinite.exchange(self.group, self.comm_device)
-        finding = classify_nonfinite(before, after)
-        if finding is None:
-            return True
-        suspects = tuple(self.topology.global_rank(r) for r in finding.suspects)
-        self._grad_verdicts.append(
-            Verdict(
-                check="nonfinite",
-                step=self.step_count,
-                classification=finding.classification,  # type: ignore[arg-type]
-                suspect_ranks=suspects,
-                suspect_nodes=self.topology.nodes_of(finding.suspects),
-                localized=finding.localized,
-                last_clean_step=self.last_clean_step,
-                message=finding.message,
-                evidence={
-                    "nonfinite_before_allreduce": self._global(before),
-                    "nonfinite_after_allreduce": self._global(after),
-                },
-            )
+        if self._audit.due:
+            if self._audit.payload is None:
+                # The low-level form gave the audit no micro-batch: nothing to replay.
+                return True
+            outcome = self._audit.audit()
+            if outcome.finding is not None:
+                self._grad_verdicts.append(self._replay_verdict(outcome))
+                return False
+            self._audited_clean = not outcome.evidence
+        return True
+
+    def _nonfinite_verdict(
+        self, finding: NonFiniteFinding, before: list[bool], after: list[bool]
+    ) -> Verdict:
+        evidence: dict[str, Any] = {
+            "nonfinite_before_allreduce": self._global(before),
+            "nonfinite_after_allreduce": self._global(after),
+        }
+        classification, suspects, localized, message = (
+            finding.classification,
+            finding.suspects,
+            finding.localized,
+            finding.message,
         )
-        return False
+        if classification == "rank" and self._audit.payload is not None:
+            # Replay the suspects' micro-batches on other nodes: bad data stays bad there.
+            replayed = self._audit.replay_nonfinite(suspects)
+            evidence["replayed_elsewhere_nonfinite"] = {
+                str(self.topology.global_rank(p)): bad for p, bad in replayed.items()
+            }
+            if replayed and len(replayed) == len(suspects) and all(replayed.values()):
+                classification, suspects, localized = "training", (), False
+                message += "; replayed on another node and non-finite again: the data or "
+                message += "the model, not hardware"
+            elif replayed:
+                message += "; a replay on another node was finite"
+        return Verdict(
+            check="nonfinite",
+            step=self.step_count,
+            classification=classification,  # type: ignore[arg-type]
+            suspect_ranks=tuple(self.topology.global_rank(r) for r in suspects),
+            suspect_nodes=self.topology.nodes_of(suspects),
+            localized=localized,
+            last_clean_step=self.last_clean_step,
+            message=message,
+            evidence=evidence,
+        )
+
+    def _replay_verdict(self, outcome: AuditOutcome) -> Verdict:
+        finding = outcome.finding
+        assert finding is not None
+        return Verdict(
+            check="replay",
+            step=self.step_count,
+            classification=finding.classification,  # type: ignore[arg-type]
+            suspect_ranks=tuple(self.topology.global_rank(r) for r in finding.suspects),
+            suspect_nodes=self.topology.nodes_of(finding.suspects),
+            localized=finding.localized,
+            last_clean_step=self.last_clean_step,
+            message=finding.message,
+            evidence=outcome.evidence,
+            transient=finding.transient,
+        )
 
     def finish_step(self, *, applied: bool, loss: torch.Tensor | float | None = None) -> StepResult:
         """After the optimizer step (or after skipping it): weight check and bookkeeping."""
         self._require_step("finish_step")
         step = self.step_count
         if applied:
-            for spec in self._injector.active("weights"):
-                corrupt_(self._weight_target(spec), spec)
+            for spec in self._injector.pending("weights"):
+                if self._injector.fire(spec):
+                    corrupt_(self._weight_target(spec), spec)
         verdicts = list(self._grad_verdicts)
         weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
         if weights_checked:
@@ -203,12 +299,12 @@ class Guard:
                     verdicts.append(verdict)
                     self._reported_weight_suspects = verdict.suspect_ranks
                 self.weights_diverged = True
-        if (
-            not verdicts
-            and not self.weights_diverged
-            and (weights_checked or self.config.weights_every == 0)
-        ):
-            self.last_clean_step = step
+        if not verdicts and not self.weights_diverged:
+            if weights_checked or self.config.weights_every == 0:
+                self._verified["weights"] = step
+            if self._audited_clean or not self._replay_verifies:
+                self._verified["replay"] = step
+            self.last_clean_step = min(self._verified.values())
         for v in verdicts:
             log.log(
                 logging.WARNING if self.group_rank == 0 else logging.DEBUG,
@@ -229,6 +325,11 @@ class Guard:
         self.last_clean_step = step
         self.weights_diverged = False
         self._reported_weight_suspects = ()
+        self._verified = {"weights": step, "replay": step}
+
+    @property
+    def _replay_verifies(self) -> bool:
+        return self.config.replay_enabled and self.config.replay_mode == "audit"
 
     def close(self) -> None:
         """Remove the forward hooks of injected faults (the comm hook stays with DDP)."""
@@ -289,14 +390,14 @@ class Guard:
         return params[name].data
 
     def _inject_grad(self, site: str, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
-        for spec in self._injector.active(site):
+        for spec in self._injector.pending(site):
             param = self._grad_targets.get(spec)
             if param is None:
-                if bucket.index() == 0:
+                if bucket.index() == 0 and self._injector.fire(spec):
                     corrupt_(tensor, spec)
                 continue
             for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                if p is param:
+                if p is param and self._injector.fire(spec):
                     # bucket.gradients() are views of the bucket buffer before the
                     # all-reduce; afterwards, hit the same span of the reduced tensor.
                     start = grad.data_ptr() - bucket.buffer().data_ptr()
@@ -309,6 +410,7 @@ class Guard:
         buffer = bucket.buffer()
         if self._injector:
             self._inject_grad("grad_local", bucket, buffer)
+        self._audit.observe_bucket(bucket)
         if self.config.nonfinite_check:
             self._nonfinite.observe_local(buffer)
         # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world

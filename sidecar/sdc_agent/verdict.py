@@ -5,18 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CHECKS", "CLASSIFICATIONS", "StepResult", "Verdict"]
+__all__ = ["CHECKS", "CLASSIFICATIONS", "NOT_HARDWARE", "StepResult", "Verdict"]
 
 Check = Literal["nonfinite", "replay", "weights"]
 CHECKS: tuple[str, ...] = ("nonfinite", "replay", "weights")
 
-Classification = Literal["rank", "collective", "training", "replica"]
+Classification = Literal["rank", "collective", "training", "replica", "nondeterministic"]
 CLASSIFICATIONS: dict[str, str] = {
     "rank": "one or more ranks computed something the others did not: suspect hardware",
     "collective": "every input to the all-reduce was finite but a reduced result was not",
-    "training": "every rank saw it at once: overflow or bad data, not hardware",
+    "training": "the data or the model, not hardware (every rank at once, or a replay on "
+    "another node reproduced it)",
     "replica": "model replicas that must be identical are not",
+    "nondeterministic": "replays differ in a way no faulty GPU explains: the model is not "
+    "deterministic",
 }
+# Classifications that must never lead to a quarantined node.
+NOT_HARDWARE = frozenset({"training", "nondeterministic"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,10 +43,13 @@ class Verdict:
     last_clean_step: int
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    transient: bool | None = None
+    """Replay audit only: true when the suspect's other computation at the same audit was
+    right (a glitch), false when it was wrong in both (a broken GPU), else unknown."""
 
     @property
     def accuses_hardware(self) -> bool:
-        return self.classification != "training" and bool(self.suspect_ranks)
+        return self.classification not in NOT_HARDWARE and bool(self.suspect_ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +62,7 @@ class Verdict:
             "last_clean_step": self.last_clean_step,
             "message": self.message,
             "evidence": self.evidence,
+            "transient": self.transient,
         }
 
 

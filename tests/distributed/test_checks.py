@@ -31,8 +31,8 @@ def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
 # name -> (drill, expected first verdict (check, step, classification, suspects) or None)
 SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]] = {
     "clean": (Drill(steps=200, config=EVERY_STEP), None),
-    "clean_defaults": (Drill(steps=30, config={"fingerprint_backend": "eager"}), None),
-    "plain_ddp": (Drill(steps=30, guarded=False), None),
+    "clean_defaults": (Drill(steps=100, config={"fingerprint_backend": "eager"}), None),
+    "plain_ddp": (Drill(steps=100, guarded=False), None),
     "grad_local_nan": (
         Drill(steps=8, faults=(fault(1, 5, "grad_local", "nan"),), config=EVERY_STEP),
         ("nonfinite", 5, "rank", (1,)),
@@ -129,9 +129,10 @@ def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]])
         assert all(r.applied)
         assert len({x.final_fingerprint for x in results[name]}) == 1
     assert same_on_every_rank(results["clean"]).last_clean_step == list(range(1, 201))
-    # With the weight check every 10 steps only verified steps count as clean.
+    # At the defaults (weights every 10 steps, replay every 50) a step is clean once both
+    # checks vouched for it.
     assert same_on_every_rank(results["clean_defaults"]).last_clean_step == [
-        s - s % 10 for s in range(1, 31)
+        s - s % 50 for s in range(1, 101)
     ]
 
 
