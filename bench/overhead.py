@@ -1,11 +1,11 @@
 """Per-step cost of the Guard against plain DDP, measured side by side.
 
 Prints JSON. Two gloo ranks on CPU (one thread each) train the same ~10 M parameter MLP
-with Adam, once per variant; variants alternate in blocks of ``--block`` steps within
-each round so machine noise hits them alike. ``overhead`` = median guarded step time /
-median plain step time - 1, computed per round and then the median taken.
+with Adam, once per variant; the variants take turns one step at a time, so machine noise
+hits them alike, and each variant's periodic checks are amortized over its own steps.
+``overhead`` = mean guarded step time / mean plain step time - 1.
 
-    .venv/bin/python bench/overhead.py [--rounds 5] [--block 10]
+    .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_agent import Guard, GuardConfig
 from sdc_agent.launch import spawn_local
 
+OFF = {"nonfinite_check": False, "weights_every": 0, "replay_every": 0}
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
-    "hook_only": {"nonfinite_check": False, "weights_every": 0},
-    "nonfinite_only": {"weights_every": 0},
+    "hook_only": OFF,
+    "nonfinite_only": {**OFF, "nonfinite_check": True},
+    "weights_every_10_only": {**OFF, "weights_every": 10},
+    "replay_every_10_only": {**OFF, "replay_every": 10},
+    "replay_every_25_only": {**OFF, "replay_every": 25},
+    "replay_every_50_only": {**OFF, "replay_every": 50},
+    "replay_every_100_only": {**OFF, "replay_every": 100},
     "defaults": {},
-    "every_step": {"weights_every": 1},
-    "defaults_eager": {"fingerprint_backend": "eager"},
-    "every_step_eager": {"weights_every": 1, "fingerprint_backend": "eager"},
+    "every_step": {"weights_every": 1, "replay_every": 1},
 }
 
 
@@ -53,7 +57,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.mse_loss(model(x), y)
 
 
-def worker(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+def worker(rank: int, world: int, steps: int, warmup: int, batch: int) -> dict[str, Any]:
     runners: dict[str, Callable[[Any], object]] = {}
     for name, config in VARIANTS.items():
         torch.manual_seed(0)
@@ -71,52 +75,50 @@ def worker(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[s
             guard = Guard(ddp, opt, loss_fn, GuardConfig(**config))
             runners[name] = guard.step
     g = torch.Generator().manual_seed(rank)
-    data = [(torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g))]
-    for run in runners.values():  # warm-up: allocations, Adam state, first weight check
-        for _ in range(block):
-            run(data[0])
-    per_round: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
+    data = (torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g))
+    for run in runners.values():  # warm-up: allocations, Adam state
+        for _ in range(warmup):
+            run(data)
+    # One step of each variant in turn: noise on this shared machine hits all alike, and
+    # each variant's periodic checks fall on its own steps, amortized over all of them.
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(steps):
         for name, run in runners.items():
-            times = []
-            for _ in range(block):
-                start = time.perf_counter()
-                run(data[0])
-                times.append(time.perf_counter() - start)
-            per_round[name].append(statistics.mean(times))
-    return per_round
+            start = time.perf_counter()
+            run(data)
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--block", type=int, default=10, help="steps per variant and round")
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per variant")
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
     results = spawn_local(
-        worker, ["bench-node-0", "bench-node-1"], (args.rounds, args.block, args.batch)
+        worker, ["bench-node-0", "bench-node-1"], (args.steps, args.warmup, args.batch)
     )
-    per_round = results[0]  # ranks run in lockstep; rank 0 is representative
-    plain = per_round["plain"]
+    times = results[0]  # ranks run in lockstep; rank 0 is representative
+    plain = statistics.fmean(times["plain"])
     out: dict[str, Any] = {
         "benchmark": "overhead",
         "torch": torch.__version__,
         "ranks": 2,
         "parameters": sum(p.numel() for p in make_model().parameters()),
         "batch": args.batch,
-        "rounds": args.rounds,
-        "block_steps": args.block,
-        "plain_step_ms": round(statistics.median(plain) * 1e3, 2),
+        "steps_per_variant": args.steps,
+        "plain_step_ms": round(plain * 1e3, 2),
         "variants": {},
     }
-    for name, times in per_round.items():
+    for name, samples in times.items():
         if name == "plain":
             continue
-        ratios = [t / p - 1 for t, p in zip(times, plain, strict=True)]
+        mean = statistics.fmean(samples)
         out["variants"][name] = {
             "config": VARIANTS[name],
-            "step_ms": round(statistics.median(times) * 1e3, 2),
-            "overhead": round(statistics.median(ratios), 4),
+            "step_ms": round(mean * 1e3, 2),
+            "overhead": round(mean / plain - 1, 4),
         }
     print(json.dumps(out, indent=2))
 

@@ -19,8 +19,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.mse_loss(model(x), y)
 
 
-def main() -> None:
-    dist.init_process_group("gloo")  # "nccl" on GPUs
+def train() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -28,7 +27,11 @@ def main() -> None:
         model,
         optimizer,
         loss_fn,
-        config=sdc_agent.GuardConfig.from_env(weights_every=5, fingerprint_backend="eager"),
+        # On one machine every rank is on one node, and the replay audit needs other nodes
+        # to recompute on: turn it off here, leave it at its default on a cluster.
+        config=sdc_agent.GuardConfig.from_env(
+            weights_every=5, replay_every=0, fingerprint_backend="eager"
+        ),
     )
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(40):
@@ -36,8 +39,14 @@ def main() -> None:
         result = guard.step(batch)
         for verdict in result.verdicts:
             print(f"rank {dist.get_rank()}: step {verdict.step}: {verdict.message}")
+    guard.close()
     if dist.get_rank() == 0:
         print(f"done: last clean step {guard.last_clean_step}, loss {result.loss:.4f}")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    train()  # the model and its DDP reducer are gone when it returns
     # Wait for every rank before tearing down: gloo can abort a process whose peers
     # close their connections while it is still shutting down (seen with torch 2.13).
     dist.barrier()

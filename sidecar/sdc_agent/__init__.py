@@ -15,9 +15,11 @@ __all__ = [
     "Fingerprinter",
     "Guard",
     "GuardConfig",
+    "ReplayStats",
     "SDCError",
     "StepResult",
     "Verdict",
+    "enable_determinism",
     "fingerprint",
     "format_fingerprint",
 ]
@@ -30,13 +32,17 @@ _LAZY = {
     "fingerprint": "fingerprint",
     "format_fingerprint": "fingerprint",
     "Guard": "guard",
+    "ReplayStats": "audit",
+    "enable_determinism": "determinism",
     "GuardConfig": "config",
     "StepResult": "verdict",
     "Verdict": "verdict",
 }
 
 if TYPE_CHECKING:
+    from .audit import ReplayStats
     from .config import GuardConfig
+    from .determinism import enable_determinism
     from .errors import ConfigError, SDCError
     from .faults import FaultSpec
     from .fingerprint import Fingerprinter, fingerprint, format_fingerprint

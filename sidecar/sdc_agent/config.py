@@ -28,6 +28,10 @@ REPLAY_EVERY_ENV = "HYPERPOD_SDC_REPLAY_EVERY"
 REPLAY_PROBABILITY_ENV = "HYPERPOD_SDC_REPLAY_PROBABILITY"
 REPLAY_MODE_ENV = "HYPERPOD_SDC_REPLAY_MODE"
 REPLAY_MODES: tuple[str, ...] = ("audit", "calibrate")
+UNREACHABLE_POLICY_ENV = "HYPERPOD_SDC_UNREACHABLE_POLICY"
+REPORT_DEADLINE_ENV = "HYPERPOD_SDC_REPORT_DEADLINE_SECONDS"
+HEARTBEAT_EVERY_ENV = "HYPERPOD_SDC_HEARTBEAT_EVERY"
+UNREACHABLE_POLICIES: tuple[str, ...] = ("stop", "continue")
 NODE_NAME_ENV = "NODE_NAME"
 
 _ENV_OF_FIELD = {
@@ -39,6 +43,9 @@ _ENV_OF_FIELD = {
     "replay_every": REPLAY_EVERY_ENV,
     "replay_probability": REPLAY_PROBABILITY_ENV,
     "replay_mode": REPLAY_MODE_ENV,
+    "unreachable_policy": UNREACHABLE_POLICY_ENV,
+    "report_deadline_seconds": REPORT_DEADLINE_ENV,
+    "heartbeat_every": HEARTBEAT_EVERY_ENV,
 }
 
 # Every HYPERPOD_SDC_* name the project reads, agent and operator; anything else with the
@@ -48,6 +55,8 @@ KNOWN_ENV: frozenset[str] = frozenset(
         *_ENV_OF_FIELD.values(),
         "HYPERPOD_SDC_RESUME_MAX_STEP",
         "HYPERPOD_SDC_OPERATOR_URL",
+        "HYPERPOD_SDC_TOKEN_FILE",
+        "HYPERPOD_SDC_CA_BUNDLE",
     }
 )
 
@@ -112,6 +121,21 @@ class GuardConfig:
     skip nothing): run ``calibrate`` first to see whether a model is deterministic (env
     ``HYPERPOD_SDC_REPLAY_MODE``)."""
 
+    unreachable_policy: str = "stop"
+    """What to do when a verdict cannot be delivered to the operator within
+    ``report_deadline_seconds``: ``stop`` (every rank raises
+    :class:`~sdc_agent.errors.OperatorUnreachableError` before applying another step) or
+    ``continue`` (train on; the reporter keeps retrying). Only with a reporter (env
+    ``HYPERPOD_SDC_UNREACHABLE_POLICY``)."""
+
+    report_deadline_seconds: float = 60.0
+    """See ``unreachable_policy`` (env ``HYPERPOD_SDC_REPORT_DEADLINE_SECONDS``)."""
+
+    heartbeat_every: int = 100
+    """Send a heartbeat (last verified step, time spent in each check) every this many
+    steps from each node's reporting rank; 0 turns heartbeats off (env
+    ``HYPERPOD_SDC_HEARTBEAT_EVERY``)."""
+
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see
     :mod:`sdc_agent.faults`. Empty in production."""
@@ -157,6 +181,28 @@ class GuardConfig:
         if self.replay_mode not in REPLAY_MODES:
             raise ConfigError(
                 f"replay_mode: must be one of {', '.join(REPLAY_MODES)}, got {self.replay_mode!r}"
+            )
+        if self.unreachable_policy not in UNREACHABLE_POLICIES:
+            raise ConfigError(
+                f"unreachable_policy: must be one of {', '.join(UNREACHABLE_POLICIES)}, "
+                f"got {self.unreachable_policy!r}"
+            )
+        if (
+            isinstance(self.report_deadline_seconds, bool)
+            or not isinstance(self.report_deadline_seconds, float | int)
+            or not self.report_deadline_seconds > 0
+        ):
+            raise ConfigError(
+                f"report_deadline_seconds: must be a number > 0, "
+                f"got {self.report_deadline_seconds!r}"
+            )
+        if (
+            not isinstance(self.heartbeat_every, int)
+            or isinstance(self.heartbeat_every, bool)
+            or self.heartbeat_every < 0
+        ):
+            raise ConfigError(
+                f"heartbeat_every: must be an integer >= 0, got {self.heartbeat_every!r}"
             )
         if self.fingerprint_backend not in FINGERPRINT_BACKENDS:
             raise ConfigError(
@@ -218,6 +264,17 @@ class GuardConfig:
                 ) from None
         if (raw := env.get(REPLAY_MODE_ENV)) is not None:
             values["replay_mode"] = raw.strip()
+        if (raw := env.get(UNREACHABLE_POLICY_ENV)) is not None:
+            values["unreachable_policy"] = raw.strip()
+        if (raw := env.get(REPORT_DEADLINE_ENV)) is not None:
+            try:
+                values["report_deadline_seconds"] = float(raw)
+            except ValueError:
+                raise ConfigError(
+                    f"{REPORT_DEADLINE_ENV}: expected a number, got {raw!r}"
+                ) from None
+        if (raw := env.get(HEARTBEAT_EVERY_ENV)) is not None:
+            values["heartbeat_every"] = _parse_int(HEARTBEAT_EVERY_ENV, raw)
         if (raw := env.get(FINGERPRINT_BACKEND_ENV)) is not None:
             values["fingerprint_backend"] = raw.strip()
         if (raw := env.get(FAULTS_ENV)) is not None:

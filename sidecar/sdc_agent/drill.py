@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import GuardConfig
+from .errors import OperatorUnreachableError
 from .faults import FaultSpec
 from .fingerprint import Fingerprinter, format_fingerprint
 from .guard import Guard
@@ -67,6 +68,8 @@ class DrillRank:
     seconds: float
     replay_comparisons: int
     replay_mismatches: int
+    stopped: str | None = None
+    """Why training stopped early (an :class:`~sdc_agent.errors.SDCError`), if it did."""
 
 
 class _Noise(nn.Module):
@@ -133,6 +136,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         applied: list[bool] = []
         clean: list[int] = []
         losses: list[float] = []
+        stopped: str | None = None
         start = time.perf_counter()
         for step in range(1, drill.steps + 1):
             micro = [
@@ -154,16 +158,20 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 applied.append(True)
                 losses.append(total / len(micro))
                 continue
-            result = (
-                guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
-            )
+            try:
+                result = (
+                    guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
+                )
+            except OperatorUnreachableError as exc:
+                stopped = f"step {step}: {exc}"
+                break
             verdicts.extend(v.to_dict() for v in result.verdicts)
             applied.append(result.applied)
             clean.append(guard.last_clean_step)
             losses.append(result.loss if result.loss is not None else float("nan"))
         seconds = time.perf_counter() - start
         if guard is not None:
-            guard.close()
+            guard.close(timeout=5.0)
         final = Fingerprinter("eager").many(list(model.parameters()))[0]
         out.append(
             DrillRank(
@@ -177,6 +185,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 seconds=seconds,
                 replay_comparisons=guard.replay_stats.comparisons if guard else 0,
                 replay_mismatches=guard.replay_stats.mismatches if guard else 0,
+                stopped=stopped,
             )
         )
         dist.barrier()

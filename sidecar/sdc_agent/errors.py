@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SDCError"]
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "OperatorUnreachableError",
+    "ProtocolError",
+    "SDCError",
+]
 
 
 class SDCError(Exception):
@@ -15,3 +21,21 @@ class ConfigError(SDCError, ValueError):
     The message names the setting (and, for environment variables, the variable) so the
     user can fix it without reading the source.
     """
+
+
+class ProtocolError(SDCError, ValueError):
+    """A report does not follow the wire protocol. ``field`` is its dotted path."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class OperatorUnreachableError(SDCError):
+    """A verdict could not be delivered to the operator in time and the local policy
+    (``unreachable_policy="stop"``) stops training rather than go on unobserved."""
+
+
+class CheckpointNotFoundError(SDCError):
+    """No usable checkpoint at or before the requested step."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -14,11 +16,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .audit import AuditOutcome, ReplayAudit, ReplayStats
 from .config import GuardConfig
-from .errors import ConfigError, SDCError
+from .errors import ConfigError, OperatorUnreachableError, ProtocolError, SDCError
 from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
 from .nonfinite import NonFiniteFinding, NonFiniteMonitor, classify_nonfinite
+from .protocol import (
+    HeartbeatReport,
+    ReporterIdentity,
+    Suspect,
+    VerdictReport,
+    encode_report,
+)
 from .replay import Payload
+from .reporter import Reporter, ReporterConfig
 from .topology import Topology, discover_topology, local_node_name
 from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints
@@ -61,6 +71,7 @@ class Guard:
         config: GuardConfig | None = None,
         *,
         start_step: int = 0,
+        reporter: Reporter | Literal["auto"] | None = "auto",
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise ConfigError(
@@ -128,6 +139,23 @@ class Guard:
             calibrate=self.config.replay_mode == "calibrate",
         )
         model.register_comm_hook(state=None, hook=self._comm_hook)
+
+        # One rank per node reports, so the operator can ask several nodes to agree.
+        me = self.topology.ranks[self.group_rank]
+        self.reports = me.local_rank == 0
+        if reporter == "auto":
+            reporter_config = ReporterConfig.from_env()
+            reporter = Reporter(reporter_config) if reporter_config is not None else None
+        elif reporter is not None and not isinstance(reporter, Reporter):
+            raise ConfigError(f"reporter: must be a Reporter, None or 'auto', got {reporter!r}")
+        self._stop_when_unreachable = (
+            reporter is not None and self.config.unreachable_policy == "stop"
+        )
+        self.reporter: Reporter | None = reporter if self.reports else None
+        if reporter is not None and not self.reports:
+            reporter.close(timeout=0)
+        self._identity = ReporterIdentity(rank=me.rank, node=me.node, pod=me.pod)
+        self._check_seconds: dict[str, float] = {"nonfinite": 0.0, "replay": 0.0, "weights": 0.0}
 
         self.step_count = start_step
         """Steps begun so far; the current step while one is running."""
@@ -209,9 +237,23 @@ class Guard:
         """After backward: run checks 1 and 2 across ranks; true when the step is safe to
         apply. A collective."""
         self._require_step("check_gradients")
-        if self.config.nonfinite_check:
-            before, after = self._nonfinite.exchange(self.group, self.comm_device)
-            finding = classify_nonfinite(before, after)
+        if self.config.nonfinite_check or self._stop_when_unreachable:
+            started = time.perf_counter()
+            overdue = self.reporter is not None and self.reporter.verdict_overdue(
+                self.config.report_deadline_seconds
+            )
+            before, after, halt = self._nonfinite.exchange(
+                self.group, self.comm_device, halt=overdue and self._stop_when_unreachable
+            )
+            self._check_seconds["nonfinite"] += time.perf_counter() - started
+            if any(halt):
+                raise OperatorUnreachableError(
+                    f"a verdict could not be delivered to the operator within "
+                    f"{self.config.report_deadline_seconds:g} s (reporting rank(s) "
+                    f"{', '.join(map(str, self._global(halt)))}); unreachable_policy='stop' "
+                    "stops training here, before another step is applied"
+                )
+            finding = classify_nonfinite(before, after) if self.config.nonfinite_check else None
             if finding is not None:
                 self._grad_verdicts.append(self._nonfinite_verdict(finding, before, after))
                 return False
@@ -221,7 +263,9 @@ class Guard:
             if self._audit.payload is None:
                 # The low-level form gave the audit no micro-batch: nothing to replay.
                 return True
+            started = time.perf_counter()
             outcome = self._audit.audit()
+            self._check_seconds["replay"] += time.perf_counter() - started
             if outcome.finding is not None:
                 self._grad_verdicts.append(self._replay_verdict(outcome))
                 return False
@@ -292,7 +336,9 @@ class Guard:
         verdicts = list(self._grad_verdicts)
         weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
         if weights_checked:
+            started = time.perf_counter()
             verdict = self._check_weights(step)
+            self._check_seconds["weights"] += time.perf_counter() - started
             if verdict is not None:
                 # Diverged weights stay diverged: report each new split once.
                 if verdict.suspect_ranks != self._reported_weight_suspects:
@@ -313,6 +359,7 @@ class Guard:
                 v.check,
                 v.message,
             )
+        self._report(step, verdicts)
         self._in_step = False
         loss_value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else loss
         return StepResult(step=step, loss=loss_value, applied=applied, verdicts=tuple(verdicts))
@@ -331,9 +378,64 @@ class Guard:
     def _replay_verifies(self) -> bool:
         return self.config.replay_enabled and self.config.replay_mode == "audit"
 
-    def close(self) -> None:
-        """Remove the forward hooks of injected faults (the comm hook stays with DDP)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Deliver queued reports (up to ``timeout`` seconds) and remove the forward hooks
+        of injected faults (the comm hook stays with DDP)."""
         self._injector.detach()
+        if self.reporter is not None:
+            self.reporter.close(timeout)
+
+    def _report(self, step: int, verdicts: list[Verdict]) -> None:
+        if self.reporter is None:
+            return
+        now = time.time()
+        for v in verdicts:
+            self.reporter.submit(self._verdict_report(v, now))
+        every = self.config.heartbeat_every
+        if every and step % every == 0:
+            self.reporter.submit(
+                HeartbeatReport(
+                    reporter=self._identity,
+                    sent_at=now,
+                    step=step,
+                    last_clean_step=self.last_clean_step,
+                    check_seconds=dict(self._check_seconds),
+                )
+            )
+            self._check_seconds = dict.fromkeys(self._check_seconds, 0.0)
+
+    def _verdict_report(self, v: Verdict, now: float) -> VerdictReport:
+        by_rank = {r.rank: r for r in self.topology.ranks}
+        suspects = tuple(
+            Suspect(
+                rank=r,
+                node=by_rank[r].node,
+                local_rank=by_rank[r].local_rank,
+                pod=by_rank[r].pod,
+                gpu_uuid=by_rank[r].gpu_uuid,
+            )
+            for r in v.suspect_ranks
+        )
+        report = VerdictReport(
+            reporter=self._identity,
+            sent_at=now,
+            check=v.check,
+            classification=v.classification,
+            step=v.step,
+            last_clean_step=v.last_clean_step,
+            localized=v.localized,
+            transient=v.transient,
+            suspects=suspects,
+            message=v.message,
+            evidence=v.evidence,
+        )
+        try:
+            encode_report(report)
+        except ProtocolError:  # too large: keep the verdict, drop the details
+            report = dataclasses.replace(
+                report, evidence={"truncated": True, "keys": sorted(v.evidence)}
+            )
+        return report
 
     # -- internals -----------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ def _child(
             "NODE_NAME": nodes[rank],
         }
     )
+    # One pod per emulated node, as on HyperPod, unless the caller names them.
+    os.environ.setdefault("POD_NAME", f"pod-{nodes[rank]}")
     # One thread per rank: with more, ranks sharing few cores slow each other down.
     torch.set_num_threads(1)
     try:

@@ -88,15 +88,20 @@ class NonFiniteMonitor:
         return (~torch.isfinite(torch.cat(extrema)).all()).to(device, torch.int32)
 
     def exchange(
-        self, group: dist.ProcessGroup | None, device: torch.device
-    ) -> tuple[list[bool], list[bool]]:
-        """Every rank's ``(before, after)`` flags, by group rank. A collective."""
+        self, group: dist.ProcessGroup | None, device: torch.device, *, halt: bool = False
+    ) -> tuple[list[bool], list[bool], list[bool]]:
+        """Every rank's ``(before, after, halt)`` flags, by group rank. A collective.
+
+        ``halt`` rides along for the Guard's local policy (a rank that must stop
+        training); the check itself ignores it.
+        """
         world = dist.get_world_size(group)
-        flags = torch.zeros((world, 2), dtype=torch.int32, device=device)
+        flags = torch.zeros((world, 3), dtype=torch.int32, device=device)
         me = dist.get_rank(group)
         flags[me, 0] = self._bad(self._before, device)
         flags[me, 1] = self._bad(self._after, device)
+        flags[me, 2] = int(halt)
         dist.all_reduce(flags, group=group)
         rows = flags.tolist()  # the one host synchronisation of check 1 per step
         self.reset()
-        return [bool(r[0]) for r in rows], [bool(r[1]) for r in rows]
+        return [bool(r[0]) for r in rows], [bool(r[1]) for r in rows], [bool(r[2]) for r in rows]

@@ -19,7 +19,6 @@ between ranks and recomputing it (:class:`Payload`, :func:`exchange`, :func:`rep
 from __future__ import annotations
 
 import io
-import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -390,8 +389,3 @@ def replay(
             for b, saved in zip(module.buffers(), buffers, strict=True):
                 b.copy_(saved)
     return ReplayResult(loss.detach(), list(grads))
-
-
-def deterministic_environment() -> dict[str, str]:
-    """Environment variables CUDA needs for deterministic cuBLAS (set before CUDA starts)."""
-    return {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}

@@ -19,6 +19,8 @@ class RankIdentity:
     local_rank: int
     """Position among the ranks of the same node, in rank order."""
     pod: str | None
+    gpu_uuid: str | None = None
+    """The CUDA device's UUID (``GPU-...``) where CUDA reports one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,12 @@ def local_node_name(configured: str | None = None) -> str:
 def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
     """All-gather every rank's node and pod name (a collective: every rank must call it)."""
     world = dist.get_world_size(group)
-    mine = {"rank": dist.get_rank(), "node": node, "pod": os.environ.get("POD_NAME") or None}
+    mine = {
+        "rank": dist.get_rank(),
+        "node": node,
+        "pod": os.environ.get("POD_NAME") or None,
+        "gpu": _gpu_uuid(),
+    }
     gathered: list[dict[str, object] | None] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     base = Topology.from_nodes(
@@ -77,12 +84,32 @@ def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
         [int(str(g["rank"])) for g in gathered if g is not None],
     )
     ranks = tuple(
-        RankIdentity(rank=r.rank, node=r.node, local_rank=r.local_rank, pod=_pod(g))
+        RankIdentity(
+            rank=r.rank,
+            node=r.node,
+            local_rank=r.local_rank,
+            pod=_text(g, "pod"),
+            gpu_uuid=_text(g, "gpu"),
+        )
         for r, g in zip(base.ranks, gathered, strict=True)
     )
     return Topology(ranks)
 
 
-def _pod(info: dict[str, object] | None) -> str | None:
-    pod = None if info is None else info.get("pod")
-    return str(pod) if pod else None
+def _text(info: dict[str, object] | None, key: str) -> str | None:
+    value = None if info is None else info.get(key)
+    return str(value) if value else None
+
+
+def _gpu_uuid() -> str | None:
+    """This process's current CUDA device UUID, if it uses CUDA."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    except (RuntimeError, AttributeError):
+        return None
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"

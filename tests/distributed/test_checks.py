@@ -21,7 +21,7 @@ WORLDS = {
     3: ["node-a", "node-a", "node-b"],
     4: ["node-a", "node-a", "node-b", "node-b"],
 }
-EVERY_STEP = {"weights_every": 1, "fingerprint_backend": "eager"}
+EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
 
 
 def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
@@ -97,7 +97,7 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
         Drill(
             steps=12,
             faults=(fault(1, 6, "weights", "relative"),),
-            config={"weights_every": 4, "fingerprint_backend": "eager"},
+            config={"weights_every": 4, "replay_every": 0, "fingerprint_backend": "eager"},
         ),
         ("weights", 8, "replica", (1,)),
     ),

@@ -30,7 +30,7 @@ def fault(step: int, site: str, kind: str, rank: int = SUSPECT, **kw: Any) -> Fa
 
 
 # A small relative error in a whole hidden layer's output (4.0001 instead of 4.0000).
-FORWARD_ERROR = {"target": "3", "index": None}
+FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
 
 SCENARIOS: dict[str, Drill] = {
     "clean": Drill(steps=300, config=AUDIT),

@@ -82,3 +82,39 @@ def test_guard_rejects_a_model_that_is_not_ddp() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="^model: must be wrapped in .*DistributedDataParallel"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum())
+
+
+def test_replay_settings() -> None:
+    c = GuardConfig.from_env(
+        {
+            "HYPERPOD_SDC_REPLAY_EVERY": "25",
+            "HYPERPOD_SDC_REPLAY_PROBABILITY": "0.01",
+            "HYPERPOD_SDC_REPLAY_MODE": "calibrate",
+        }
+    )
+    assert (c.replay_every, c.replay_probability, c.replay_mode) == (25, 0.01, "calibrate")
+    assert GuardConfig().replay_every == 50
+    for kw, field in (
+        ({"replay_every": -5}, "replay_every"),
+        ({"replay_probability": 1.5}, "replay_probability"),
+        ({"replay_mode": "accuse"}, "replay_mode"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{field}:"):
+            GuardConfig(**kw)
+    with pytest.raises(ConfigError, match="^HYPERPOD_SDC_REPLAY_PROBABILITY:"):
+        GuardConfig.from_env({"HYPERPOD_SDC_REPLAY_PROBABILITY": "often"})
+
+
+def test_enable_determinism_sets_what_it_says() -> None:
+    import os
+
+    from sdc_agent import enable_determinism
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        done = enable_determinism()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == done["CUBLAS_WORKSPACE_CONFIG"]
+        assert torch.backends.cudnn.deterministic is True
+    finally:
+        torch.use_deterministic_algorithms(before)

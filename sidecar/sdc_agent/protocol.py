@@ -1,0 +1,429 @@
+"""The wire protocol between the agent and the operator: the one definition.
+
+Torch-free on purpose: the operator imports this module and nothing else of
+``sdc_agent``. A report is one JSON object, at most :data:`MAX_REPORT_BYTES` bytes, sent as
+``POST /v1/reports`` with ``Content-Type: application/json`` and the reporting pod's
+ServiceAccount token as a Bearer token. The operator derives the job from the token's pod,
+never from the report. Three kinds share an envelope::
+
+    {"version": 1, "kind": "verdict" | "heartbeat" | "checkpoint",
+     "sent_at": <seconds since the epoch>,
+     "reporter": {"rank": 0, "node": "hyperpod-i-0abc...", "pod": "job-worker-0"}, ...}
+
+:func:`parse_report` validates and returns a frozen dataclass; every problem raises
+:class:`~sdc_agent.errors.ProtocolError` naming the field (``suspects[1].rank``). Unknown
+fields are errors too: a typo must not pass silently. :func:`report_schema` gives the same
+rules as a JSON Schema; ``python -m sdc_agent.protocol`` prints it. Documented, with
+examples, in ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ProtocolError
+
+__all__ = [
+    "CHECKS",
+    "CLASSIFICATIONS",
+    "MAX_REPORT_BYTES",
+    "PROTOCOL_VERSION",
+    "CheckpointReport",
+    "HeartbeatReport",
+    "ReporterIdentity",
+    "Suspect",
+    "VerdictReport",
+    "encode_report",
+    "parse_report",
+    "report_schema",
+]
+
+PROTOCOL_VERSION = 1
+MAX_REPORT_BYTES = 64 * 1024
+"""Largest accepted report; the agent trims evidence to fit."""
+CHECKS = ("nonfinite", "replay", "weights")
+CLASSIFICATIONS = ("rank", "collective", "training", "replica", "nondeterministic")
+KINDS = ("verdict", "heartbeat", "checkpoint")
+_MAX_TEXT = 4096
+_MAX_NAME = 253  # a Kubernetes object name
+_MAX_SUSPECTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ReporterIdentity:
+    """Who sends the report (the operator checks the pod against the token)."""
+
+    rank: int
+    node: str
+    pod: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    rank: int
+    node: str
+    local_rank: int
+    pod: str | None = None
+    gpu_uuid: str | None = None
+    """The CUDA device UUID (``GPU-...``) where CUDA reports one."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictReport:
+    reporter: ReporterIdentity
+    sent_at: float
+    check: str
+    classification: str
+    step: int
+    last_clean_step: int
+    localized: bool
+    transient: bool | None
+    suspects: tuple[Suspect, ...]
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    kind: str = "verdict"
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def accuses_hardware(self) -> bool:
+        return self.classification not in ("training", "nondeterministic") and bool(self.suspects)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReport:
+    reporter: ReporterIdentity
+    sent_at: float
+    step: int
+    last_clean_step: int
+    check_seconds: dict[str, float] = field(default_factory=dict)
+    """Time spent in each check since the previous heartbeat."""
+    kind: str = "heartbeat"
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReport:
+    reporter: ReporterIdentity
+    sent_at: float
+    step: int
+    location: str
+    verified: bool
+    """True when every check vouched for this step (``step <= last_clean_step``)."""
+    kind: str = "checkpoint"
+    version: int = PROTOCOL_VERSION
+
+
+Report = VerdictReport | HeartbeatReport | CheckpointReport
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _obj(value: Any, path: str, required: set[str], optional: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(path or "report", f"must be a JSON object, got {_kind(value)}")
+    for key in sorted(value):
+        if key not in required and key not in optional:
+            raise ProtocolError(_join(path, key), "unknown field")
+    for key in sorted(required):
+        if key not in value:
+            raise ProtocolError(_join(path, key), "is required")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(value), "null" if value is None else "a number"
+    )
+
+
+def _int(value: Any, path: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(path, f"must be an integer, got {_kind(value)}")
+    if value < minimum:
+        raise ProtocolError(path, f"must be >= {minimum}, got {value}")
+    if value > 2**62:
+        raise ProtocolError(path, f"is out of range: {value}")
+    return value
+
+
+def _num(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(path, f"must be a number, got {_kind(value)}")
+    if not math.isfinite(value) or value < 0:
+        raise ProtocolError(path, f"must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def _bool(value: Any, path: str, *, nullable: bool = False) -> bool | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, bool):
+        raise ProtocolError(path, f"must be true or false, got {_kind(value)}")
+    return value
+
+
+def _str(value: Any, path: str, *, limit: int, nullable: bool = False) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(path, f"must be a string, got {_kind(value)}")
+    if not value:
+        raise ProtocolError(path, "must not be empty")
+    if len(value) > limit:
+        raise ProtocolError(path, f"is longer than {limit} characters")
+    return value
+
+
+def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ProtocolError(path, f"must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _reporter(value: Any) -> ReporterIdentity:
+    d = _obj(value, "reporter", {"rank", "node"}, {"pod"})
+    return ReporterIdentity(
+        rank=_int(d["rank"], "reporter.rank"),
+        node=_req_str(d["node"], "reporter.node", _MAX_NAME),
+        pod=_str(d.get("pod"), "reporter.pod", limit=_MAX_NAME, nullable=True),
+    )
+
+
+def _req_str(value: Any, path: str, limit: int) -> str:
+    out = _str(value, path, limit=limit)
+    assert out is not None
+    return out
+
+
+def _suspect(value: Any, path: str) -> Suspect:
+    d = _obj(value, path, {"rank", "node", "local_rank"}, {"pod", "gpu_uuid"})
+    return Suspect(
+        rank=_int(d["rank"], f"{path}.rank"),
+        node=_req_str(d["node"], f"{path}.node", _MAX_NAME),
+        local_rank=_int(d["local_rank"], f"{path}.local_rank"),
+        pod=_str(d.get("pod"), f"{path}.pod", limit=_MAX_NAME, nullable=True),
+        gpu_uuid=_str(d.get("gpu_uuid"), f"{path}.gpu_uuid", limit=128, nullable=True),
+    )
+
+
+_ENVELOPE = {"version", "kind", "sent_at", "reporter"}
+_FIELDS = {
+    "verdict": (
+        {"check", "classification", "step", "last_clean_step", "localized", "suspects", "message"},
+        {"transient", "evidence"},
+    ),
+    "heartbeat": ({"step", "last_clean_step"}, {"check_seconds"}),
+    "checkpoint": ({"step", "location", "verified"}, set()),
+}
+
+
+def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
+    """Validate a report (raw JSON or an already decoded object) and return it."""
+    if isinstance(data, bytes | bytearray):
+        if len(data) > MAX_REPORT_BYTES:
+            raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("report", "is not UTF-8") from None
+    if isinstance(data, str):
+        if len(data.encode("utf-8")) > MAX_REPORT_BYTES:
+            raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
+        try:
+            data = json.loads(data, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError("report", f"is not valid JSON ({exc.msg} at {exc.pos})") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("report", f"must be a JSON object, got {_kind(data)}")
+    if "version" not in data:
+        raise ProtocolError("version", "is required")
+    version = data["version"]
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            "version",
+            f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
+        )
+    kind = _choice(data.get("kind"), "kind", KINDS)
+    required, optional = _FIELDS[kind]
+    d = _obj(data, "", _ENVELOPE | required, optional)
+    reporter = _reporter(d["reporter"])
+    sent_at = _num(d["sent_at"], "sent_at")
+    if kind == "heartbeat":
+        seconds = d.get("check_seconds", {})
+        if not isinstance(seconds, dict):
+            raise ProtocolError("check_seconds", f"must be an object, got {_kind(seconds)}")
+        for name in seconds:
+            _choice(name, f"check_seconds.{name}", CHECKS)
+        step = _int(d["step"], "step")
+        return HeartbeatReport(
+            reporter=reporter,
+            sent_at=sent_at,
+            step=step,
+            last_clean_step=_clean_step(d["last_clean_step"], step),
+            check_seconds={k: _num(v, f"check_seconds.{k}") for k, v in seconds.items()},
+        )
+    if kind == "checkpoint":
+        return CheckpointReport(
+            reporter=reporter,
+            sent_at=sent_at,
+            step=_int(d["step"], "step"),
+            location=_req_str(d["location"], "location", _MAX_TEXT),
+            verified=bool(_bool(d["verified"], "verified")),
+        )
+    step = _int(d["step"], "step", minimum=1)
+    suspects = d["suspects"]
+    if not isinstance(suspects, list):
+        raise ProtocolError("suspects", f"must be an array, got {_kind(suspects)}")
+    if len(suspects) > _MAX_SUSPECTS:
+        raise ProtocolError("suspects", f"has more than {_MAX_SUSPECTS} entries")
+    evidence = d.get("evidence", {})
+    if not isinstance(evidence, dict):
+        raise ProtocolError("evidence", f"must be an object, got {_kind(evidence)}")
+    return VerdictReport(
+        reporter=reporter,
+        sent_at=sent_at,
+        check=_choice(d["check"], "check", CHECKS),
+        classification=_choice(d["classification"], "classification", CLASSIFICATIONS),
+        step=step,
+        last_clean_step=_clean_step(d["last_clean_step"], step - 1),
+        localized=bool(_bool(d["localized"], "localized")),
+        transient=_bool(d.get("transient"), "transient", nullable=True),
+        suspects=tuple(_suspect(s, f"suspects[{i}]") for i, s in enumerate(suspects)),
+        message=_req_str(d["message"], "message", _MAX_TEXT),
+        evidence=evidence,
+    )
+
+
+def _clean_step(value: Any, most: int) -> int:
+    step = _int(value, "last_clean_step")
+    if step > most:
+        raise ProtocolError("last_clean_step", f"must be <= {most}, got {step}")
+    return step
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError("report", f"is not valid JSON ({name} is not a JSON number)")
+
+
+def encode_report(report: Report) -> bytes:
+    """The report as compact JSON bytes (what :func:`parse_report` reads back)."""
+    body = asdict(report)
+    if isinstance(report, VerdictReport):
+        body["suspects"] = [asdict(s) for s in report.suspects]
+    data = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    if len(data) > MAX_REPORT_BYTES:
+        raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
+    return data
+
+
+# -- JSON Schema -----------------------------------------------------------------------------
+
+
+def report_schema() -> dict[str, Any]:
+    """The protocol as a JSON Schema (draft 2020-12); the same rules as :func:`parse_report`
+    except the cross-field ones (``last_clean_step`` below ``step``, the size limit)."""
+    count = {"type": "integer", "minimum": 0}
+    name = {"type": "string", "minLength": 1, "maxLength": _MAX_NAME}
+    nullable_name = {"type": ["string", "null"], "minLength": 1, "maxLength": _MAX_NAME}
+    envelope = {
+        "version": {"const": PROTOCOL_VERSION},
+        "sent_at": {"type": "number", "minimum": 0},
+        "reporter": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["rank", "node"],
+            "properties": {"rank": count, "node": name, "pod": nullable_name},
+        },
+    }
+
+    def kind(label: str, required: list[str], props: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["version", "kind", "sent_at", "reporter", *required],
+            "properties": {**envelope, "kind": {"const": label}, **props},
+        }
+
+    text = {"type": "string", "minLength": 1, "maxLength": _MAX_TEXT}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://hyperpod-sdc.dev/schemas/report-v1.json",
+        "title": "hyperpod-sdc report",
+        "oneOf": [
+            kind(
+                "verdict",
+                [
+                    "check",
+                    "classification",
+                    "step",
+                    "last_clean_step",
+                    "localized",
+                    "suspects",
+                    "message",
+                ],
+                {
+                    "check": {"enum": list(CHECKS)},
+                    "classification": {"enum": list(CLASSIFICATIONS)},
+                    "step": {"type": "integer", "minimum": 1},
+                    "last_clean_step": count,
+                    "localized": {"type": "boolean"},
+                    "transient": {"type": ["boolean", "null"]},
+                    "suspects": {
+                        "type": "array",
+                        "maxItems": _MAX_SUSPECTS,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["rank", "node", "local_rank"],
+                            "properties": {
+                                "rank": count,
+                                "node": name,
+                                "local_rank": count,
+                                "pod": nullable_name,
+                                "gpu_uuid": {
+                                    "type": ["string", "null"],
+                                    "minLength": 1,
+                                    "maxLength": 128,
+                                },
+                            },
+                        },
+                    },
+                    "message": text,
+                    "evidence": {"type": "object"},
+                },
+            ),
+            kind(
+                "heartbeat",
+                ["step", "last_clean_step"],
+                {
+                    "step": count,
+                    "last_clean_step": count,
+                    "check_seconds": {
+                        "type": "object",
+                        "propertyNames": {"enum": list(CHECKS)},
+                        "additionalProperties": {"type": "number", "minimum": 0},
+                    },
+                },
+            ),
+            kind(
+                "checkpoint",
+                ["step", "location", "verified"],
+                {"step": count, "location": text, "verified": {"type": "boolean"}},
+            ),
+        ],
+    }
+
+
+if __name__ == "__main__":
+    json.dump(report_schema(), sys.stdout, indent=2)
+    sys.stdout.write("\n")

@@ -1,0 +1,88 @@
+"""Verdicts and heartbeats reach a real HTTP server; the local policy when they cannot."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sdc_agent.drill import Drill, run_drill
+from sdc_agent.faults import FaultSpec
+from sdc_agent.launch import free_port
+from sdc_agent.protocol import HeartbeatReport, VerdictReport
+from tests.unit.test_reporter import Operator
+
+pytestmark = pytest.mark.distributed
+
+NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
+FAULT = FaultSpec(
+    rank=3, step=4, site="forward", kind="relative", persistent=True, target="3", index=None
+)
+CONFIG = {"replay_every": 1, "weights_every": 1, "fingerprint_backend": "eager"}
+
+
+def test_each_node_reports_the_verdict_with_the_suspects_identity(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-service-account-token")
+    port = free_port()
+    operator = Operator(port)
+    env = {
+        "HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{port}",
+        "HYPERPOD_SDC_TOKEN_FILE": str(token),
+        "HYPERPOD_SDC_HEARTBEAT_EVERY": "2",
+    }
+    try:
+        (ranks,) = run_drill(NODES, [Drill(steps=5, faults=(FAULT,), config=CONFIG)], env=env)
+    finally:
+        operator.stop()
+    verdicts = [r for _, r in operator.received if isinstance(r, VerdictReport)]
+    # Steps 4 and 5 fail the audit; every node's first rank reports each, nobody else.
+    assert Counter((v.step, v.reporter.node) for v in verdicts) == {
+        (s, n): 1 for s in (4, 5) for n in ("n0", "n1", "n2")
+    }
+    assert {v.reporter.rank for v in verdicts} == {0, 2, 4}
+    first = verdicts[0]
+    assert (first.check, first.classification, first.last_clean_step) == ("replay", "rank", 3)
+    (suspect,) = first.suspects
+    assert (suspect.rank, suspect.node, suspect.local_rank, suspect.pod) == (3, "n1", 1, "pod-n1")
+    heartbeats = [r for _, r in operator.received if isinstance(r, HeartbeatReport)]
+    assert sorted((h.step, h.reporter.rank) for h in heartbeats) == [
+        (s, r) for s in (2, 4) for r in (0, 2, 4)
+    ]
+    assert all(h.check_seconds["replay"] > 0 for h in heartbeats)
+    assert all(
+        headers["Authorization"] == "Bearer a-service-account-token"
+        for headers, _ in operator.received
+    )
+    assert ranks[0].stopped is None
+
+
+def test_an_unreachable_operator_stops_training_on_every_rank() -> None:
+    env = {
+        "HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{free_port()}",  # nobody listens
+        "HYPERPOD_SDC_TOKEN_FILE": "",
+        "HYPERPOD_SDC_REPORT_DEADLINE_SECONDS": "0.5",
+    }
+    (ranks,) = run_drill(NODES, [Drill(steps=400, faults=(FAULT,), config=CONFIG)], env=env)
+    stops = {r.stopped.split(":")[0] if r.stopped else None for r in ranks}
+    assert len(stops) == 1, "every rank must stop at the same step"
+    (where,) = stops
+    assert where is not None, "training went on although no verdict was delivered"
+    stopped_at = int(where.split()[1])
+    assert 4 < stopped_at < 400
+    assert "could not be delivered" in (ranks[0].stopped or "")
+    # Nothing was applied after the fault: every audited step failed.
+    assert not any(ranks[0].applied[3:])
+
+
+def test_continue_policy_trains_on() -> None:
+    env = {
+        "HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{free_port()}",
+        "HYPERPOD_SDC_TOKEN_FILE": "",
+        "HYPERPOD_SDC_REPORT_DEADLINE_SECONDS": "0.1",
+        "HYPERPOD_SDC_UNREACHABLE_POLICY": "continue",
+    }
+    (ranks,) = run_drill(NODES[:3], [Drill(steps=30, config=CONFIG)], env=env)
+    assert all(r.stopped is None for r in ranks)
+    assert len(ranks[0].applied) == 30

@@ -1,0 +1,205 @@
+"""The wire protocol: round trips, a named error for every malformed field, the schema."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from sdc_agent.errors import ProtocolError
+from sdc_agent.protocol import (
+    MAX_REPORT_BYTES,
+    CheckpointReport,
+    HeartbeatReport,
+    VerdictReport,
+    encode_report,
+    parse_report,
+    report_schema,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+REPORTER = {"rank": 4, "node": "hyperpod-i-0abc", "pod": "job-worker-2"}
+VERDICT: dict[str, Any] = {
+    "version": 1,
+    "kind": "verdict",
+    "sent_at": 1764400000.5,
+    "reporter": REPORTER,
+    "check": "replay",
+    "classification": "rank",
+    "step": 1200,
+    "last_clean_step": 1150,
+    "localized": True,
+    "transient": False,
+    "suspects": [
+        {
+            "rank": 3,
+            "node": "hyperpod-i-0def",
+            "local_rank": 1,
+            "pod": "job-worker-1",
+            "gpu_uuid": "GPU-5d6e0c1a-0000-0000-0000-000000000000",
+        }
+    ],
+    "message": "rank(s) 3 computed wrong results ...",
+    "evidence": {"mismatches": [{"work_of": 3, "replayed_by": 5}]},
+}
+HEARTBEAT: dict[str, Any] = {
+    "version": 1,
+    "kind": "heartbeat",
+    "sent_at": 1764400000.0,
+    "reporter": REPORTER,
+    "step": 1300,
+    "last_clean_step": 1250,
+    "check_seconds": {"nonfinite": 0.8, "replay": 1.5, "weights": 0.2},
+}
+CHECKPOINT: dict[str, Any] = {
+    "version": 1,
+    "kind": "checkpoint",
+    "sent_at": 1764400000.0,
+    "reporter": REPORTER,
+    "step": 1250,
+    "location": "/fsx/ckpt/step_1250",
+    "verified": True,
+}
+EXAMPLES = {"verdict": VERDICT, "heartbeat": HEARTBEAT, "checkpoint": CHECKPOINT}
+TYPES = {"verdict": VerdictReport, "heartbeat": HeartbeatReport, "checkpoint": CheckpointReport}
+
+
+@pytest.mark.parametrize("kind", sorted(EXAMPLES))
+def test_round_trip(kind: str) -> None:
+    report = parse_report(json.dumps(EXAMPLES[kind]).encode())
+    assert isinstance(report, TYPES[kind])
+    again = parse_report(encode_report(report))
+    assert again == report
+    assert json.loads(encode_report(report)) == EXAMPLES[kind]
+
+
+def test_optional_fields_default() -> None:
+    body = copy.deepcopy(VERDICT)
+    del body["transient"], body["evidence"], body["reporter"]["pod"]
+    del body["suspects"][0]["pod"], body["suspects"][0]["gpu_uuid"]
+    report = parse_report(body)
+    assert isinstance(report, VerdictReport)
+    assert report.transient is None
+    assert report.evidence == {}
+    assert report.reporter.pod is None
+
+
+def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    target: Any = out
+    keys = path.replace("[", ".").replace("]", "").split(".")
+    for key in keys[:-1]:
+        target = target[int(key)] if key.isdigit() else target[key]
+    last = keys[-1]
+    if value is DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return out
+
+
+DELETE = object()
+BAD: list[tuple[dict[str, Any], str, Any, str]] = [
+    (VERDICT, "version", 2, "version"),
+    (VERDICT, "version", DELETE, "version"),
+    (VERDICT, "kind", "gossip", "kind"),
+    (VERDICT, "sent_at", -1, "sent_at"),
+    (VERDICT, "sent_at", "now", "sent_at"),
+    (VERDICT, "reporter", "rank 4", "reporter"),
+    (VERDICT, "reporter.rank", -1, "reporter.rank"),
+    (VERDICT, "reporter.node", "", "reporter.node"),
+    (VERDICT, "reporter.node", DELETE, "reporter.node"),
+    (VERDICT, "reporter.colour", "red", "reporter.colour"),
+    (VERDICT, "check", "vibes", "check"),
+    (VERDICT, "classification", "cosmic-ray", "classification"),
+    (VERDICT, "step", 0, "step"),
+    (VERDICT, "step", 1.5, "step"),
+    (VERDICT, "step", True, "step"),
+    (VERDICT, "last_clean_step", 1200, "last_clean_step"),
+    (VERDICT, "localized", "yes", "localized"),
+    (VERDICT, "transient", 1, "transient"),
+    (VERDICT, "suspects", {}, "suspects"),
+    (VERDICT, "suspects[0].rank", "3", "suspects[0].rank"),
+    (VERDICT, "suspects[0].node", DELETE, "suspects[0].node"),
+    (VERDICT, "suspects[0].local_rank", -2, "suspects[0].local_rank"),
+    (VERDICT, "suspects[0].gpu_uuid", 7, "suspects[0].gpu_uuid"),
+    (VERDICT, "suspects[0].extra", 1, "suspects[0].extra"),
+    (VERDICT, "message", "", "message"),
+    (VERDICT, "message", "x" * 5000, "message"),
+    (VERDICT, "evidence", [1, 2], "evidence"),
+    (VERDICT, "job", "someone-elses-job", "job"),
+    (HEARTBEAT, "step", -5, "step"),
+    (HEARTBEAT, "last_clean_step", 1301, "last_clean_step"),
+    (HEARTBEAT, "check_seconds", [], "check_seconds"),
+    (HEARTBEAT, "check_seconds.vibes", 1.0, "check_seconds.vibes"),
+    (HEARTBEAT, "check_seconds.replay", -1.0, "check_seconds.replay"),
+    (CHECKPOINT, "location", "", "location"),
+    (CHECKPOINT, "verified", "true", "verified"),
+    (CHECKPOINT, "step", DELETE, "step"),
+]
+
+
+@pytest.mark.parametrize(("base", "path", "value", "field"), BAD)
+def test_every_malformed_field_is_named(
+    base: dict[str, Any], path: str, value: Any, field: str
+) -> None:
+    body = _set(base, path, value)
+    with pytest.raises(ProtocolError) as info:
+        parse_report(json.dumps(body))
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "is not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"\xff\xfe", "is not UTF-8"),
+        (b'{"version": 1, "kind": "checkpoint", "sent_at": NaN}', "NaN"),
+        (b" " * (MAX_REPORT_BYTES + 1), "larger than"),
+    ],
+)
+def test_malformed_documents(raw: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        parse_report(raw)
+
+
+def test_unknown_version_is_rejected_even_if_otherwise_fine() -> None:
+    with pytest.raises(ProtocolError, match="unsupported protocol version 2"):
+        parse_report({**CHECKPOINT, "version": 2})
+
+
+def test_the_schema_agrees_with_the_parser() -> None:
+    schema = report_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for body in EXAMPLES.values():
+        validator.validate(body)
+    cross_field = {"last_clean_step"}  # the schema cannot compare two fields
+    for base, path, value, field in BAD:
+        if field in cross_field:
+            continue
+        assert not validator.is_valid(_set(base, path, value)), (path, value)
+
+
+def test_the_published_schema_is_current() -> None:
+    published = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+    assert published == report_schema(), (
+        "regenerate: python -m sdc_agent.protocol > docs/report.schema.json"
+    )
+
+
+def test_protocol_imports_without_torch() -> None:
+    code = (
+        "import sys, sdc_agent.protocol, sdc_agent.errors\n"
+        "assert 'torch' not in sys.modules, 'protocol pulled in torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,246 @@
+"""The reporter against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdc_agent.launch import free_port
+from sdc_agent.protocol import (
+    CheckpointReport,
+    HeartbeatReport,
+    ReporterIdentity,
+    VerdictReport,
+    parse_report,
+)
+from sdc_agent.reporter import Reporter, ReporterConfig
+
+ME = ReporterIdentity(rank=0, node="hyperpod-i-0abc", pod="job-worker-0")
+
+
+class Operator:
+    """A stand-in intake: records what arrives; answers with ``statuses`` in turn (then
+    200), after ``delay`` seconds."""
+
+    def __init__(self, port: int, *, delay: float = 0.0, statuses: list[int] | None = None):
+        self.received: list[tuple[dict[str, str], Any]] = []
+        self.delay = delay
+        self.statuses = list(statuses or [])
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                time.sleep(owner.delay)
+                status = owner.statuses.pop(0) if owner.statuses else 200
+                if status == 200:
+                    owner.received.append((dict(self.headers), parse_report(body)))
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def kinds(self) -> list[str]:
+        return [r.kind for _, r in self.received]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def token(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("token-one\n")
+    return path
+
+
+def make(port: int, token: Path | None, **kw: Any) -> Reporter:
+    kw.setdefault("initial_backoff_seconds", 0.05)
+    kw.setdefault("max_backoff_seconds", 0.2)
+    return Reporter(
+        ReporterConfig(
+            operator_url=f"http://127.0.0.1:{port}",
+            token_file=str(token) if token else None,
+            **kw,
+        )
+    )
+
+
+@pytest.fixture
+def operator(port: int) -> Iterator[Operator]:
+    op = Operator(port)
+    yield op
+    op.stop()
+
+
+def verdict(step: int) -> VerdictReport:
+    return VerdictReport(
+        reporter=ME,
+        sent_at=time.time(),
+        check="replay",
+        classification="rank",
+        step=step,
+        last_clean_step=step - 1,
+        localized=True,
+        transient=False,
+        suspects=(),
+        message=f"verdict {step}",
+    )
+
+
+def heartbeat(step: int) -> HeartbeatReport:
+    return HeartbeatReport(reporter=ME, sent_at=time.time(), step=step, last_clean_step=step)
+
+
+def test_reports_arrive_intact_with_the_token(operator: Operator, port: int, token: Path) -> None:
+    reporter = make(port, token)
+    sent: list[VerdictReport | HeartbeatReport | CheckpointReport] = [
+        verdict(7),
+        heartbeat(8),
+        CheckpointReport(reporter=ME, sent_at=1.0, step=8, location="/ckpt/step_8", verified=True),
+    ]
+    for r in sent:
+        reporter.submit(r)
+    assert reporter.close(timeout=10)
+    assert [r for _, r in operator.received] == sent
+    assert all(h["Authorization"] == "Bearer token-one" for h, _ in operator.received)
+    assert operator.received[0][0]["Content-Type"] == "application/json"
+
+
+def test_a_rotated_token_is_read_again(operator: Operator, port: int, token: Path) -> None:
+    reporter = make(port, token)
+    reporter.submit(heartbeat(1))
+    assert reporter.flush(10)
+    token.write_text("token-two-rotated\n")
+    reporter.submit(heartbeat(2))
+    assert reporter.close(10)
+    assert [h["Authorization"] for h, _ in operator.received] == [
+        "Bearer token-one",
+        "Bearer token-two-rotated",
+    ]
+
+
+def _submit_seconds(reporter: Reporter, count: int) -> list[float]:
+    times = []
+    for step in range(count):
+        start = time.perf_counter()
+        reporter.submit(heartbeat(step) if step % 10 else verdict(step + 1))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def test_an_outage_does_not_block_and_nothing_is_lost(port: int, token: Path) -> None:
+    reporter = make(port, token)  # nobody listens yet
+    times = _submit_seconds(reporter, 50)
+    # Measured, not a benchmark: submitting is a queue append while every send fails.
+    assert max(times) < 0.05, f"submit blocked: max {max(times):.4f} s"
+    time.sleep(0.3)  # a few failed attempts
+    assert reporter.delivered == 0
+    assert reporter.verdict_overdue(0.1)
+    operator = Operator(port)
+    try:
+        assert reporter.close(timeout=20)
+        kinds = operator.kinds()
+        assert len(kinds) == 50
+        assert kinds[:5] == ["verdict"] * 5  # verdicts go first
+        assert not reporter.verdict_overdue(0.1)
+    finally:
+        operator.stop()
+    print(
+        json.dumps(
+            {
+                "submit_during_outage_ms": {
+                    "median": statistics.median(times) * 1e3,
+                    "max": max(times) * 1e3,
+                }
+            }
+        )
+    )
+
+
+def test_a_slow_operator_does_not_slow_the_caller(port: int, token: Path) -> None:
+    operator = Operator(port, delay=0.2)
+    try:
+        reporter = make(port, token)
+        times = _submit_seconds(reporter, 20)
+        assert max(times) < 0.05, f"submit blocked: max {max(times):.4f} s"
+        assert reporter.delivered == 0  # the first request is still in flight
+        assert reporter.close(timeout=60)
+        assert len(operator.received) == 20
+    finally:
+        operator.stop()
+
+
+def test_a_full_queue_drops_the_oldest_heartbeats_never_a_verdict(port: int, token: Path) -> None:
+    reporter = make(port, token, queue_size=3)
+    for step in range(1, 7):
+        reporter.submit(heartbeat(step))
+    reporter.submit(verdict(7))
+    reporter.submit(verdict(8))
+    assert reporter.dropped == 3
+    operator = Operator(port)
+    try:
+        assert reporter.close(timeout=20)
+        got = [(r.kind, r.step) for _, r in operator.received]
+        assert sorted(got) == sorted(
+            [("verdict", 7), ("verdict", 8), ("heartbeat", 4), ("heartbeat", 5), ("heartbeat", 6)]
+        )
+    finally:
+        operator.stop()
+
+
+def test_server_errors_are_retried_refusals_are_not(port: int, token: Path) -> None:
+    operator = Operator(port, statuses=[503, 429])
+    try:
+        reporter = make(port, token)
+        reporter.submit(heartbeat(1))  # 503, 429, then delivered
+        assert reporter.flush(10)
+        operator.statuses = [400]
+        reporter.submit(heartbeat(2))  # refused, dropped, not retried
+        assert reporter.close(10)
+        assert [r.step for _, r in operator.received] == [1]
+        assert (reporter.delivered, reporter.refused) == (1, 1)
+    finally:
+        operator.stop()
+
+
+def test_settings_are_checked(tmp_path: Path) -> None:
+    from sdc_agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^operator_url:"):
+        ReporterConfig(operator_url="hyperpod-sdc:8443")
+    with pytest.raises(ConfigError, match="^ca_bundle:"):
+        ReporterConfig(operator_url="https://x", ca_bundle=str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match="^queue_size:"):
+        ReporterConfig(operator_url="https://x", queue_size=0)
+
+
+def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYPERPOD_SDC_OPERATOR_URL", raising=False)
+    assert ReporterConfig.from_env() is None
+    monkeypatch.setenv("HYPERPOD_SDC_OPERATOR_URL", "https://hyperpod-sdc.svc:8443")
+    monkeypatch.setenv("HYPERPOD_SDC_TOKEN_FILE", "/tok")
+    c = ReporterConfig.from_env()
+    assert c is not None
+    assert (c.operator_url, c.token_file) == ("https://hyperpod-sdc.svc:8443", "/tok")
