@@ -10,11 +10,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "CheckpointNotFoundError",
     "ConfigError",
     "FaultSpec",
     "Fingerprinter",
     "Guard",
     "GuardConfig",
+    "OperatorUnreachableError",
+    "ProtocolError",
     "ReplayStats",
     "SDCError",
     "StepResult",
@@ -25,7 +28,10 @@ __all__ = [
 ]
 
 _LAZY = {
+    "CheckpointNotFoundError": "errors",
     "ConfigError": "errors",
+    "OperatorUnreachableError": "errors",
+    "ProtocolError": "errors",
     "SDCError": "errors",
     "FaultSpec": "faults",
     "Fingerprinter": "fingerprint",
@@ -43,7 +49,13 @@ if TYPE_CHECKING:
     from .audit import ReplayStats
     from .config import GuardConfig
     from .determinism import enable_determinism
-    from .errors import ConfigError, SDCError
+    from .errors import (
+        CheckpointNotFoundError,
+        ConfigError,
+        OperatorUnreachableError,
+        ProtocolError,
+        SDCError,
+    )
     from .faults import FaultSpec
     from .fingerprint import Fingerprinter, fingerprint, format_fingerprint
     from .guard import Guard
