@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._validate import require_bool, require_choice, require_int, require_number
 from .errors import ConfigError
 from .faults import FaultSpec, parse_faults
 from .fingerprint import FINGERPRINT_BACKENDS
@@ -145,70 +146,21 @@ class GuardConfig:
     from the downward API ``spec.nodeName``), else the host name."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.nonfinite_check, bool):
-            raise ConfigError(f"nonfinite_check: must be a bool, got {self.nonfinite_check!r}")
-        if (
-            not isinstance(self.weights_every, int)
-            or isinstance(self.weights_every, bool)
-            or self.weights_every < 0
-        ):
-            raise ConfigError(
-                f"weights_every: must be an integer >= 0 (0 turns the check off), "
-                f"got {self.weights_every!r}"
-            )
-        if not isinstance(self.weights_include_optimizer_state, bool):
-            raise ConfigError(
-                "weights_include_optimizer_state: must be a bool, "
-                f"got {self.weights_include_optimizer_state!r}"
-            )
-        if (
-            not isinstance(self.replay_every, int)
-            or isinstance(self.replay_every, bool)
-            or self.replay_every < 0
-        ):
-            raise ConfigError(
-                f"replay_every: must be an integer >= 0 (0 turns the audit off), "
-                f"got {self.replay_every!r}"
-            )
-        if (
-            not isinstance(self.replay_probability, float | int)
-            or isinstance(self.replay_probability, bool)
-            or not 0.0 <= self.replay_probability <= 1.0
-        ):
-            raise ConfigError(
-                f"replay_probability: must be a number from 0 to 1, got {self.replay_probability!r}"
-            )
-        if self.replay_mode not in REPLAY_MODES:
-            raise ConfigError(
-                f"replay_mode: must be one of {', '.join(REPLAY_MODES)}, got {self.replay_mode!r}"
-            )
-        if self.unreachable_policy not in UNREACHABLE_POLICIES:
-            raise ConfigError(
-                f"unreachable_policy: must be one of {', '.join(UNREACHABLE_POLICIES)}, "
-                f"got {self.unreachable_policy!r}"
-            )
-        if (
-            isinstance(self.report_deadline_seconds, bool)
-            or not isinstance(self.report_deadline_seconds, float | int)
-            or not self.report_deadline_seconds > 0
-        ):
-            raise ConfigError(
-                f"report_deadline_seconds: must be a number > 0, "
-                f"got {self.report_deadline_seconds!r}"
-            )
-        if (
-            not isinstance(self.heartbeat_every, int)
-            or isinstance(self.heartbeat_every, bool)
-            or self.heartbeat_every < 0
-        ):
-            raise ConfigError(
-                f"heartbeat_every: must be an integer >= 0, got {self.heartbeat_every!r}"
-            )
-        if self.fingerprint_backend not in FINGERPRINT_BACKENDS:
-            raise ConfigError(
-                f"fingerprint_backend: must be one of {', '.join(FINGERPRINT_BACKENDS)}, "
-                f"got {self.fingerprint_backend!r}"
-            )
+        require_bool("nonfinite_check", self.nonfinite_check)
+        require_int("weights_every", self.weights_every, minimum=0, hint=" (0 turns it off)")
+        require_bool("weights_include_optimizer_state", self.weights_include_optimizer_state)
+        require_int("replay_every", self.replay_every, minimum=0, hint=" (0 turns it off)")
+        require_number("replay_probability", self.replay_probability, minimum=0, maximum=1)
+        require_choice("replay_mode", self.replay_mode, REPLAY_MODES)
+        require_choice("unreachable_policy", self.unreachable_policy, UNREACHABLE_POLICIES)
+        require_number(
+            "report_deadline_seconds",
+            self.report_deadline_seconds,
+            minimum=0,
+            exclusive_minimum=True,
+        )
+        require_int("heartbeat_every", self.heartbeat_every, minimum=0, hint=" (0 turns it off)")
+        require_choice("fingerprint_backend", self.fingerprint_backend, FINGERPRINT_BACKENDS)
         if not isinstance(self.faults, tuple) or not all(
             isinstance(f, FaultSpec) for f in self.faults
         ):

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._validate import require_bool, require_choice, require_int
 from .errors import ConfigError
 
 __all__ = ["FAULT_KINDS", "FAULT_SITES", "FaultInjector", "FaultSpec", "corrupt_", "parse_faults"]
@@ -78,33 +79,25 @@ class FaultSpec:
     """Relative error for ``relative``."""
 
     def __post_init__(self) -> None:
-        if self.site not in FAULT_SITES:
-            raise ConfigError(
-                f"faults.site: must be one of {', '.join(FAULT_SITES)}, got {self.site!r}"
-            )
-        if self.kind not in FAULT_KINDS:
-            raise ConfigError(
-                f"faults.kind: must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}"
-            )
-        _check_int("faults.rank", self.rank, minimum=0)
-        _check_int("faults.step", self.step, minimum=1)
+        require_choice("faults.site", self.site, FAULT_SITES)
+        require_choice("faults.kind", self.kind, FAULT_KINDS)
+        require_int("faults.rank", self.rank, minimum=0)
+        require_int("faults.step", self.step, minimum=1)
         if self.index is not None:
-            _check_int("faults.index", self.index, minimum=0)
-        _check_int("faults.bit", self.bit, minimum=0, maximum=63)
-        if not isinstance(self.relative_error, float | int) or self.relative_error == 0:
+            require_int("faults.index", self.index, minimum=0)
+        require_int("faults.bit", self.bit, minimum=0, maximum=63)
+        require_bool("faults.persistent", self.persistent)
+        if (
+            not isinstance(self.relative_error, float | int)
+            or isinstance(self.relative_error, bool)
+            or self.relative_error == 0
+        ):
             raise ConfigError(
                 f"faults.relative_error: must be a non-zero number, got {self.relative_error!r}"
             )
 
     def active(self, step: int) -> bool:
         return step == self.step or (self.persistent and step >= self.step)
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}: must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{name}: must be an integer <= {maximum}, got {value!r}")
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(FaultSpec))
