@@ -108,10 +108,12 @@ class ReplayAudit:
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
 
     def _shared_seed(self) -> int:
-        seed = [int.from_bytes(os.urandom(8), "little") if self.me == 0 else 0]
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast_object_list(seed, src=src, group=self.group)
-        return int(seed[0])
+        # Group rank 0 draws, everyone adds: the same seed on every rank.
+        seed = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
+        if self.me == 0:
+            seed[0] = int.from_bytes(os.urandom(7), "little")
+        dist.all_reduce(seed, group=self.group)
+        return int(seed.item())
 
     # -- during the step -----------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class ReplayAudit:
 
     def observe_bucket(self, bucket: dist.GradBucket) -> None:
         """From the comm hook, before the all-reduce: remember each local gradient."""
-        if bucket.index() == 0 and self._bucket0 is None:
+        if bucket.index() == 0:  # DDP may rebuild its buckets after the first step
             base = bucket.buffer().data_ptr()
             size = bucket.buffer().element_size()
             self._bucket0 = [

@@ -130,7 +130,7 @@ def find_checkpoints(root: str | os.PathLike[str]) -> list[Checkpoint]:
         if marker.is_file():
             try:
                 data = json.loads(marker.read_text())
-                verified = bool(data["verified"]) and int(data["step"]) == step
+                verified = data["verified"] is True and data["step"] == step
             except (ValueError, KeyError, TypeError):
                 verified = False  # a damaged marker vouches for nothing
         found.append(Checkpoint(step, entry, verified, layout))

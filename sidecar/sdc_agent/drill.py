@@ -25,6 +25,7 @@ from .faults import FaultSpec
 from .fingerprint import Fingerprinter, format_fingerprint
 from .guard import Guard
 from .launch import spawn_local
+from .verdict import StepResult
 
 __all__ = ["Drill", "DrillRank", "make_model", "make_batch", "run_drill"]
 
@@ -49,6 +50,8 @@ class Drill:
     """Gradient accumulation: micro-batches per step."""
     poison: tuple[int, int] | None = None
     """``(rank, step)``: put a NaN into that rank's input batch at that step (bad data)."""
+    low_level: bool = False
+    """Drive the Guard through begin_step / check_gradients / finish_step."""
     noise: float = 0.0
     """Add noise from a private, unseeded generator to a hidden layer: a model that is
     not deterministic (its replays differ)."""
@@ -159,9 +162,12 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 losses.append(total / len(micro))
                 continue
             try:
-                result = (
-                    guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
-                )
+                if drill.low_level:
+                    result = _low_level_step(guard, ddp, optimizer, micro[0])
+                else:
+                    result = (
+                        guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
+                    )
             except OperatorUnreachableError as exc:
                 stopped = f"step {step}: {exc}"
                 break
@@ -190,6 +196,19 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         )
         dist.barrier()
     return out
+
+
+def _low_level_step(
+    guard: Guard, ddp: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
+) -> StepResult:
+    optimizer.zero_grad(set_to_none=True)
+    guard.begin_step()
+    loss = mse_loss(ddp, batch)
+    loss.backward()
+    applied = guard.check_gradients()
+    if applied:
+        optimizer.step()
+    return guard.finish_step(applied=applied, loss=loss)
 
 
 def run_drill(

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -21,6 +22,8 @@ from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
 from .nonfinite import NonFiniteFinding, NonFiniteMonitor, classify_nonfinite
 from .protocol import (
+    MAX_MESSAGE,
+    MAX_SUSPECTS,
     HeartbeatReport,
     ReporterIdentity,
     Suspect,
@@ -148,9 +151,14 @@ class Guard:
             reporter = Reporter(reporter_config) if reporter_config is not None else None
         elif reporter is not None and not isinstance(reporter, Reporter):
             raise ConfigError(f"reporter: must be a Reporter, None or 'auto', got {reporter!r}")
-        self._stop_when_unreachable = (
-            reporter is not None and self.config.unreachable_policy == "stop"
+        # Whether check_gradients carries the halt flag must be the same on every rank,
+        # or some ranks would call a collective the others skip.
+        wants_halt = torch.tensor(
+            [int(reporter is not None and self.config.unreachable_policy == "stop")],
+            device=self.comm_device,
         )
+        dist.all_reduce(wants_halt, op=dist.ReduceOp.MAX, group=self.group)
+        self._stop_when_unreachable = bool(wants_halt.item())
         self.reporter: Reporter | None = reporter if self.reports else None
         if reporter is not None and not self.reports:
             reporter.close(timeout=0)
@@ -169,6 +177,8 @@ class Guard:
         self._in_step = False
         self._grad_verdicts: list[Verdict] = []
         self._audited_clean = False
+        self._replay_unavailable = False
+        self._simple_step = False
         self._reported_weight_suspects: tuple[int, ...] = ()
         # The newest step each verifying check vouched for; last_clean_step is the oldest.
         self._verified = {"weights": start_step, "replay": start_step}
@@ -197,12 +207,16 @@ class Guard:
             raise ConfigError("micro_batches: must hold at least one micro-batch")
         count = len(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
-        self.begin_step()
+        self._simple_step = True
+        try:
+            self.begin_step()
+        finally:
+            self._simple_step = False
         total = torch.zeros(())
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
             if j == 0:
-                self._audit.payload = Payload.capture(micro, count)
+                self._audit.payload = Payload.capture(micro, count, copy=self._audit.due)
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.loss_fn(self.model, micro)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -224,6 +238,17 @@ class Guard:
         """Start a step (before its forward pass); returns the step number."""
         if self._in_step:
             raise SDCError("begin_step called twice without finish_step")
+        if not self._simple_step and not self._replay_unavailable:
+            # The low-level form never shows the audit a micro-batch to replay.
+            self._replay_unavailable = True
+            if self.config.replay_enabled:
+                warnings.warn(
+                    "sdc_agent: the replay audit needs Guard.step (it must see the "
+                    "micro-batch); with begin_step/check_gradients/finish_step it is "
+                    "skipped and last_clean_step follows the other checks",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._in_step = True
         self.step_count += 1
         self._injector.step = self.step_count
@@ -261,8 +286,7 @@ class Guard:
             self._nonfinite.reset()
         if self._audit.due:
             if self._audit.payload is None:
-                # The low-level form gave the audit no micro-batch: nothing to replay.
-                return True
+                return True  # the low-level form gave the audit no micro-batch
             started = time.perf_counter()
             outcome = self._audit.audit()
             self._check_seconds["replay"] += time.perf_counter() - started
@@ -285,7 +309,11 @@ class Guard:
             finding.localized,
             finding.message,
         )
-        if classification == "rank" and self._audit.payload is not None:
+        payload = self._audit.payload
+        if classification == "rank" and payload is not None and payload.divisor > 1:
+            # Only the first micro-batch travels: a replay of it says nothing about the rest.
+            evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
+        elif classification == "rank" and payload is not None:
             # Replay the suspects' micro-batches on other nodes: bad data stays bad there.
             replayed = self._audit.replay_nonfinite(suspects)
             evidence["replayed_elsewhere_nonfinite"] = {
@@ -376,7 +404,14 @@ class Guard:
 
     @property
     def _replay_verifies(self) -> bool:
-        return self.config.replay_enabled and self.config.replay_mode == "audit"
+        # Only audits that can run vouch for steps: without a loss function, or in the
+        # low-level form (no micro-batch to replay), the audit never runs.
+        return (
+            self.config.replay_enabled
+            and self.config.replay_mode == "audit"
+            and self.loss_fn is not None
+            and not self._replay_unavailable
+        )
 
     def close(self, timeout: float = 10.0) -> None:
         """Deliver queued reports (up to ``timeout`` seconds) and remove the forward hooks
@@ -431,9 +466,18 @@ class Guard:
         )
         try:
             encode_report(report)
-        except ProtocolError:  # too large: keep the verdict, drop the details
+        except ProtocolError:  # too large or too long: keep the verdict, trim the details
             report = dataclasses.replace(
-                report, evidence={"truncated": True, "keys": sorted(v.evidence)}
+                report,
+                message=report.message[: MAX_MESSAGE - 20] + " [truncated]"
+                if len(report.message) > MAX_MESSAGE
+                else report.message,
+                suspects=report.suspects[:MAX_SUSPECTS],
+                evidence={
+                    "truncated": True,
+                    "keys": sorted(v.evidence),
+                    "suspects": len(report.suspects),
+                },
             )
         return report
 

@@ -49,9 +49,12 @@ MAX_REPORT_BYTES = 64 * 1024
 CHECKS = ("nonfinite", "replay", "weights")
 CLASSIFICATIONS = ("rank", "collective", "training", "replica", "nondeterministic")
 KINDS = ("verdict", "heartbeat", "checkpoint")
-_MAX_TEXT = 4096
+MAX_MESSAGE = 4096
+_MAX_TEXT = MAX_MESSAGE
 _MAX_NAME = 253  # a Kubernetes object name
-_MAX_SUSPECTS = 1024
+MAX_SUSPECTS = 1024
+_MAX_SUSPECTS = MAX_SUSPECTS
+_MAX_DEPTH = 32  # nesting of evidence
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,9 @@ Report = VerdictReport | HeartbeatReport | CheckpointReport
 def _obj(value: Any, path: str, required: set[str], optional: set[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError(path or "report", f"must be a JSON object, got {_kind(value)}")
-    for key in sorted(value):
+    for key in sorted(value, key=str):
+        if not isinstance(key, str):
+            raise ProtocolError(path or "report", f"has a key that is not a string: {key!r}")
         if key not in required and key not in optional:
             raise ProtocolError(_join(path, key), "unknown field")
     for key in sorted(required):
@@ -141,9 +146,19 @@ def _join(path: str, key: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(
-        type(value), "null" if value is None else "a number"
-    )
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "an array"
+    return f"a {type(value).__name__}"
 
 
 def _int(value: Any, path: str, minimum: int = 0) -> int:
@@ -159,9 +174,13 @@ def _int(value: Any, path: str, minimum: int = 0) -> int:
 def _num(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ProtocolError(path, f"must be a number, got {_kind(value)}")
-    if not math.isfinite(value) or value < 0:
-        raise ProtocolError(path, f"must be a finite number >= 0, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise ProtocolError(path, "must be a finite number >= 0")
+    return number
 
 
 def _bool(value: Any, path: str, *, nullable: bool = False) -> bool | None:
@@ -237,18 +256,28 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         except UnicodeDecodeError:
             raise ProtocolError("report", "is not UTF-8") from None
     if isinstance(data, str):
-        if len(data.encode("utf-8")) > MAX_REPORT_BYTES:
+        try:
+            size = len(data.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ProtocolError("report", "is not valid UTF-8 text") from None
+        if size > MAX_REPORT_BYTES:
             raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
         try:
             data = json.loads(data, parse_constant=_reject_constant)
+        except ProtocolError:
+            raise
         except json.JSONDecodeError as exc:
             raise ProtocolError("report", f"is not valid JSON ({exc.msg} at {exc.pos})") from None
+        except (ValueError, RecursionError) as exc:  # absurd numbers, absurd nesting
+            raise ProtocolError(
+                "report", f"is not acceptable JSON ({type(exc).__name__})"
+            ) from None
     if not isinstance(data, dict):
         raise ProtocolError("report", f"must be a JSON object, got {_kind(data)}")
     if "version" not in data:
         raise ProtocolError("version", "is required")
     version = data["version"]
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             "version",
             f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
@@ -289,6 +318,7 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
     evidence = d.get("evidence", {})
     if not isinstance(evidence, dict):
         raise ProtocolError("evidence", f"must be an object, got {_kind(evidence)}")
+    _json_value(evidence, "evidence")
     return VerdictReport(
         reporter=reporter,
         sent_at=sent_at,
@@ -304,6 +334,29 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
     )
 
 
+def _json_value(value: Any, path: str, depth: int = 0) -> None:
+    """``value`` is plain JSON (objects with string keys, arrays, scalars), not too deep."""
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(path, f"is nested more than {_MAX_DEPTH} levels deep")
+    if value is None or isinstance(value, bool | str):
+        return
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(path, "must not hold NaN or infinity")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(path, f"has a key that is not a string: {key!r}")
+            _json_value(item, _join(path, key), depth + 1)
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _json_value(item, f"{path}[{i}]", depth + 1)
+        return
+    raise ProtocolError(path, f"must be plain JSON, got {_kind(value)}")
+
+
 def _clean_step(value: Any, most: int) -> int:
     step = _int(value, "last_clean_step")
     if step > most:
@@ -316,13 +369,16 @@ def _reject_constant(name: str) -> Any:
 
 
 def encode_report(report: Report) -> bytes:
-    """The report as compact JSON bytes (what :func:`parse_report` reads back)."""
+    """The report as compact JSON bytes; raises :class:`ProtocolError` for anything the
+    receiving side would refuse (too large, too long a message, too many suspects)."""
     body = asdict(report)
     if isinstance(report, VerdictReport):
         body["suspects"] = [asdict(s) for s in report.suspects]
-    data = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
-    if len(data) > MAX_REPORT_BYTES:
-        raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
+    try:
+        data = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError("report", f"cannot be encoded as JSON ({exc})") from None
+    parse_report(data)  # what the operator would refuse must not leave here
     return data
 
 

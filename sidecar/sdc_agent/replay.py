@@ -258,9 +258,15 @@ class Payload:
     autocast: dict[str, tuple[bool, torch.dtype]]
 
     @classmethod
-    def capture(cls, batch: Any, divisor: int) -> Payload:
-        """Record the RNG and autocast state now, right before the micro-batch's forward."""
+    def capture(cls, batch: Any, divisor: int, *, copy: bool = False) -> Payload:
+        """Record the RNG and autocast state now, right before the micro-batch's forward.
+
+        With ``copy`` the batch's tensors are cloned, so a model or loss function that
+        changes its inputs in place cannot change what gets replayed.
+        """
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        if copy:
+            batch = _map_tensors(batch, lambda t: t.detach().clone())
         return cls(batch, divisor, torch.get_rng_state(), cuda, _autocast_state())
 
     def to_bytes(self) -> bytes:

@@ -15,6 +15,8 @@ rotated token is picked up. TLS: the system trust store, or ``ca_bundle``.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import http.client
 import logging
 import os
 import random
@@ -22,9 +24,11 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+from ._validate import require_int, require_number
 from .errors import ConfigError
 from .protocol import CheckpointReport, HeartbeatReport, Report, VerdictReport, encode_report
 
@@ -66,15 +70,24 @@ class ReporterConfig:
     max_backoff_seconds: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.operator_url.startswith(("http://", "https://")):
+        url = (
+            urllib.parse.urlsplit(self.operator_url) if isinstance(self.operator_url, str) else None
+        )
+        try:
+            valid = url is not None and url.scheme in ("http", "https") and bool(url.hostname)
+            valid = valid and (url is not None and (url.port is None or url.port > 0))
+        except ValueError:  # a port that is not a number
+            valid = False
+        if not valid:
             raise ConfigError(
-                f"operator_url: must start with http:// or https://, got {self.operator_url!r}"
+                f"operator_url: must be an http:// or https:// URL with a host, "
+                f"got {self.operator_url!r}"
             )
-        if self.queue_size < 1:
-            raise ConfigError(f"queue_size: must be >= 1, got {self.queue_size}")
+        require_int("queue_size", self.queue_size, minimum=1)
         for name in ("timeout_seconds", "initial_backoff_seconds", "max_backoff_seconds"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+            require_number(
+                name, getattr(self, name), minimum=0, maximum=3600, exclusive_minimum=True
+            )
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise ConfigError(f"ca_bundle: no such file: {self.ca_bundle}")
 
@@ -88,6 +101,12 @@ class ReporterConfig:
             values["token_file"] = token.strip() or None
         if ca := os.environ.get(CA_BUNDLE_ENV, "").strip():
             values["ca_bundle"] = ca
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(unknown)}: unknown setting; known: {', '.join(sorted(known))}"
+            )
         values.update(overrides)
         if "operator_url" not in values:
             return None
@@ -100,19 +119,20 @@ class Reporter:
     def __init__(self, config: ReporterConfig) -> None:
         self.config = config
         self.url = config.operator_url.rstrip("/") + REPORTS_PATH
-        self._verdicts: collections.deque[Report] = collections.deque()
-        self._others: collections.deque[Report] = collections.deque()
+        # Queued reports with the monotonic time they were submitted.
+        self._verdicts: collections.deque[tuple[float, Report]] = collections.deque()
+        self._others: collections.deque[tuple[float, Report]] = collections.deque()
         self._cond = threading.Condition()
+        self._stop = threading.Event()  # set by close(): no more attempts
         self._closed = False
-        self._in_flight = 0
+        self._in_flight: tuple[float, Report] | None = None
+        self._attempt = 0  # consecutive failed attempts: the back-off grows with them
         self._token: str | None = None
         self._token_stamp: tuple[float, int] | None = None
         self._ssl = ssl.create_default_context(cafile=config.ca_bundle)
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
-        self.oldest_undelivered_verdict: float | None = None
-        """Monotonic time a still undelivered verdict was submitted, else ``None``."""
         self._thread = threading.Thread(target=self._run, name="sdc-reporter", daemon=True)
         self._thread.start()
 
@@ -123,19 +143,18 @@ class Reporter:
         with self._cond:
             if self._closed:
                 raise RuntimeError("Reporter is closed")
+            entry = (time.monotonic(), report)
             if isinstance(report, VerdictReport):
-                self._verdicts.append(report)
-                if self.oldest_undelivered_verdict is None:
-                    self.oldest_undelivered_verdict = time.monotonic()
+                self._verdicts.append(entry)
             else:
                 if len(self._others) >= self.config.queue_size:
                     self._drop_one()
-                self._others.append(report)
-            self._cond.notify()
+                self._others.append(entry)
+            self._cond.notify_all()
 
     def _drop_one(self) -> None:
         for kind in (HeartbeatReport, CheckpointReport):
-            for i, queued in enumerate(self._others):
+            for i, (_, queued) in enumerate(self._others):
                 if isinstance(queued, kind):
                     del self._others[i]
                     self.dropped += 1
@@ -145,19 +164,22 @@ class Reporter:
                     return
 
     def verdict_overdue(self, deadline_seconds: float) -> bool:
-        """A verdict has waited longer than ``deadline_seconds`` for delivery."""
-        since = self.oldest_undelivered_verdict
-        return since is not None and time.monotonic() - since > deadline_seconds
+        """An undelivered verdict has waited longer than ``deadline_seconds``."""
+        with self._cond:
+            waiting = [t for t, _ in self._verdicts]
+            if self._in_flight is not None and isinstance(self._in_flight[1], VerdictReport):
+                waiting.append(self._in_flight[0])
+        return bool(waiting) and time.monotonic() - min(waiting) > deadline_seconds
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._verdicts) + len(self._others) + self._in_flight
+            return len(self._verdicts) + len(self._others) + (self._in_flight is not None)
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything queued is delivered or refused; false on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._verdicts or self._others or self._in_flight:
+            while self._verdicts or self._others or self._in_flight is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -169,49 +191,56 @@ class Reporter:
         delivered_all = self.flush(timeout)
         with self._cond:
             self._closed = True
+            self._stop.set()
             self._cond.notify_all()
-        self._thread.join(timeout=1.0)
+        self._thread.join(timeout=self.config.timeout_seconds + 1.0)
         if not delivered_all:
             log.error("sdc_agent: %d report(s) not delivered to %s", self.pending(), self.url)
         return delivered_all
 
     # -- the sending thread --------------------------------------------------------------
 
-    def _next(self) -> Report | None:
+    def _next(self) -> tuple[float, Report] | None:
         with self._cond:
             while not (self._verdicts or self._others):
                 if self._closed:
                     return None
                 self._cond.wait()
-            queue = self._verdicts if self._verdicts else self._others
-            self._in_flight += 1
-            return queue.popleft()
+            if self._closed:
+                return None
+            entry = (self._verdicts if self._verdicts else self._others).popleft()
+            self._in_flight = entry
+            return entry
 
     def _run(self) -> None:
-        while (report := self._next()) is not None:
-            attempt = 0
-            while True:
+        while (entry := self._next()) is not None:
+            _, report = entry
+            try:
                 outcome = self._send(report)
-                if outcome != "retry":
-                    break
-                with self._cond:
-                    if self._closed:
-                        break
+            except Exception:  # never let one report kill the thread
+                log.exception("sdc_agent: cannot send a %s report; dropped", report.kind)
+                outcome = "dropped"
+            with self._cond:
+                self._in_flight = None
+                if outcome == "retry":
+                    # Back in front of its queue: the next pick takes verdicts first.
+                    queue = self._verdicts if isinstance(report, VerdictReport) else self._others
+                    queue.appendleft(entry)
+                else:
+                    self._attempt = 0
+                    if outcome == "delivered":
+                        self.delivered += 1
+                    elif outcome == "dropped":
+                        self.dropped += 1
+                self._cond.notify_all()
+            if outcome == "retry":
                 backoff = min(
                     self.config.max_backoff_seconds,
-                    self.config.initial_backoff_seconds * 2**attempt,
+                    self.config.initial_backoff_seconds * 2**self._attempt,
                 )
-                attempt += 1
-                with self._cond:
-                    self._cond.wait(random.uniform(0, backoff))  # full jitter
-            with self._cond:
-                self._in_flight -= 1
-                if outcome == "delivered":
-                    self.delivered += 1
-                # A refused verdict reached the operator too: nothing left to wait for.
-                if isinstance(report, VerdictReport) and not self._verdicts and outcome != "retry":
-                    self.oldest_undelivered_verdict = None
-                self._cond.notify_all()
+                self._attempt += 1
+                if self._stop.wait(random.uniform(0, backoff)):  # full jitter; close() ends it
+                    return
 
     def _bearer(self) -> str | None:
         path = self.config.token_file
@@ -253,6 +282,7 @@ class Reporter:
                 "sdc_agent: operator refused a %s report (%d): %s", report.kind, exc.code, detail
             )
             return "refused"
-        except (OSError, TimeoutError) as exc:  # URLError, connection refused, timeouts
+        except (OSError, TimeoutError, http.client.HTTPException) as exc:
+            # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
             return "retry"

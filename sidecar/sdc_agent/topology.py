@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["RankIdentity", "Topology", "discover_topology", "local_node_name"]
+__all__ = [
+    "RankIdentity",
+    "Topology",
+    "all_gather_bytes",
+    "discover_topology",
+    "local_node_name",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,15 +77,15 @@ def local_node_name(configured: str | None = None) -> str:
 
 def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
     """All-gather every rank's node and pod name (a collective: every rank must call it)."""
-    world = dist.get_world_size(group)
     mine = {
         "rank": dist.get_rank(),
         "node": node,
         "pod": os.environ.get("POD_NAME") or None,
         "gpu": _gpu_uuid(),
     }
-    gathered: list[dict[str, object] | None] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered: list[dict[str, object] | None] = [
+        json.loads(raw) for raw in all_gather_bytes(json.dumps(mine).encode(), group)
+    ]
     base = Topology.from_nodes(
         [str(g["node"]) for g in gathered if g is not None],
         [int(str(g["rank"])) for g in gathered if g is not None],
@@ -94,6 +101,25 @@ def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
         for r, g in zip(base.ranks, gathered, strict=True)
     )
     return Topology(ranks)
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
+    """Every rank's ``data``, by group rank (two tensor all-gathers, no pickling)."""
+    import torch
+
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t[: int(n.item())].cpu().tolist()) for t, n in zip(out, sizes, strict=True)]
 
 
 def _text(info: dict[str, object] | None, key: str) -> str | None:

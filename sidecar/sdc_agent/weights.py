@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ __all__ = ["MajoritySplit", "WeightFingerprints", "split_majority"]
 _EVIDENCE_MAX_RANKS = 64
 # At most this many differing tensor names per suspect in the evidence.
 _EVIDENCE_MAX_TENSORS = 8
+
+
+def _is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # pragma: no cover - builds without distributed optimizers
+        return False
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,14 @@ class WeightFingerprints:
         self.module = module
         self.optimizer = optimizer
         self.fingerprinter = fingerprinter
+        if include_optimizer_state and _is_sharded(optimizer):
+            warnings.warn(
+                f"sdc_agent: {type(optimizer).__name__} shards its state across ranks, so "
+                "only the parameters are compared across replicas",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            include_optimizer_state = False
         self.include_optimizer_state = include_optimizer_state
 
     def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
@@ -122,15 +139,23 @@ class WeightFingerprints:
         # let every rank diff its own, gather the (short) lists of names.
         if split.reference is None:
             return {}
+        # Replicas whose state holds different tensors cannot be compared tensor by tensor
+        # (and a broadcast of different shapes would hang): check the counts first.
+        world = dist.get_world_size(group)
+        count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        if len({int(c.item()) for c in counts}) > 1:
+            return {}
         reference = per_tensor.to(device).clone()
         dist.broadcast(
             reference,
             dist.get_global_rank(group, split.reference) if group is not None else split.reference,
             group=group,
         )
-        mine = (per_tensor.to(device) != reference).any(dim=1).nonzero().flatten().tolist()
-        diff = [names[i] for i in mine[:_EVIDENCE_MAX_TENSORS]]
-        world = dist.get_world_size(group)
-        gathered: list[list[str] | None] = [None] * world
-        dist.all_gather_object(gathered, diff, group=group)
-        return {str(r): gathered[r] or [] for r in split.suspects}
+        differs = (per_tensor.to(device) != reference).any(dim=1).nonzero().flatten()
+        mine = torch.full((_EVIDENCE_MAX_TENSORS,), -1, dtype=torch.int64, device=device)
+        mine[: min(len(differs), _EVIDENCE_MAX_TENSORS)] = differs[:_EVIDENCE_MAX_TENSORS]
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        return {str(r): [names[i] for i in gathered[r].tolist() if i >= 0] for r in split.suspects}

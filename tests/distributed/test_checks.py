@@ -33,6 +33,27 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
     "clean": (Drill(steps=200, config=EVERY_STEP), None),
     "clean_defaults": (Drill(steps=100, config={"fingerprint_backend": "eager"}), None),
     "plain_ddp": (Drill(steps=100, guarded=False), None),
+    "low_level_clean": (
+        Drill(
+            steps=20, low_level=True, config={"weights_every": 1, "fingerprint_backend": "eager"}
+        ),
+        None,
+    ),
+    "low_level_grad_local_nan": (
+        Drill(
+            steps=6, low_level=True, faults=(fault(2, 3, "grad_local", "nan"),), config=EVERY_STEP
+        ),
+        ("nonfinite", 3, "rank", (2,)),
+    ),
+    "low_level_weights_bitflip": (
+        Drill(
+            steps=6,
+            low_level=True,
+            faults=(fault(0, 4, "weights", "bitflip", bit=9),),
+            config=EVERY_STEP,
+        ),
+        ("weights", 4, "replica", (0,)),
+    ),
     "grad_local_nan": (
         Drill(steps=8, faults=(fault(1, 5, "grad_local", "nan"),), config=EVERY_STEP),
         ("nonfinite", 5, "rank", (1,)),
@@ -123,12 +144,15 @@ def same_on_every_rank(ranks: list[DrillRank]) -> DrillRank:
 
 def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]]) -> None:
     _, results = world
-    for name in ("clean", "clean_defaults"):
+    for name in ("clean", "clean_defaults", "low_level_clean"):
         r = same_on_every_rank(results[name])
         assert r.verdicts == [], name
         assert all(r.applied)
         assert len({x.final_fingerprint for x in results[name]}) == 1
     assert same_on_every_rank(results["clean"]).last_clean_step == list(range(1, 201))
+    # The low-level form cannot run the replay audit (replay_every is at its default):
+    # last_clean_step follows the weight check alone.
+    assert same_on_every_rank(results["low_level_clean"]).last_clean_step == list(range(1, 21))
     # At the defaults (weights every 10 steps, replay every 50) a step is clean once both
     # checks vouched for it.
     assert same_on_every_rank(results["clean_defaults"]).last_clean_step == [

@@ -203,3 +203,43 @@ def test_protocol_imports_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'protocol pulled in torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (json.dumps({**CHECKPOINT, "sent_at": 10**400}), "sent_at"),
+        ('{"version": 1, "kind": "checkpoint", "sent_at": ' + "9" * 5000 + "}", "report"),
+        ("[" * 100_000 + "]" * 100_000, "report"),
+        ('{"version": 1.0, "kind": "checkpoint"}', "version"),
+    ],
+)
+def test_absurd_documents_get_a_protocol_error(body: str, field: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_report(body)
+    assert info.value.field == field
+
+
+def test_decoded_objects_are_held_to_the_same_rules() -> None:
+    with pytest.raises(ProtocolError, match="^report: has a key that is not a string"):
+        parse_report({**CHECKPOINT, 5: "x"})  # type: ignore[dict-item]
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(40):
+        node["x"] = {}
+        node = node["x"]
+    with pytest.raises(ProtocolError, match="^evidence.*nested more than"):
+        parse_report({**VERDICT, "evidence": deep})
+    with pytest.raises(ProtocolError, match="^evidence.a: must be plain JSON, got a set"):
+        parse_report({**VERDICT, "evidence": {"a": {1, 2}}})
+    with pytest.raises(ProtocolError, match="^report: is not valid UTF-8"):
+        parse_report('{"version": 1, "message": "\ud800"}')
+
+
+def test_encode_refuses_what_the_operator_would_refuse() -> None:
+    report = parse_report(VERDICT)
+    assert isinstance(report, VerdictReport)
+    import dataclasses
+
+    with pytest.raises(ProtocolError, match="^message:"):
+        encode_report(dataclasses.replace(report, message="x" * 5000))

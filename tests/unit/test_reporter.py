@@ -244,3 +244,32 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     c = ReporterConfig.from_env()
     assert c is not None
     assert (c.operator_url, c.token_file) == ("https://hyperpod-sdc.svc:8443", "/tok")
+
+
+def test_a_report_that_cannot_be_sent_does_not_stop_the_thread(
+    operator: Operator, port: int, token: Path
+) -> None:
+    import dataclasses
+
+    reporter = make(port, token)
+    reporter.submit(dataclasses.replace(verdict(3), message="x" * 5000))  # over the limit
+    reporter.submit(heartbeat(4))
+    assert reporter.close(10)
+    assert reporter.dropped == 1
+    assert [(r.kind, r.step) for _, r in operator.received] == [("heartbeat", 4)]
+
+
+def test_overdue_counts_from_the_oldest_undelivered_verdict(port: int, token: Path) -> None:
+    reporter = make(port, token, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    assert not reporter.verdict_overdue(0.0)
+    reporter.submit(verdict(1))
+    time.sleep(0.3)
+    assert reporter.verdict_overdue(0.2)
+    operator = Operator(port)
+    try:
+        assert reporter.flush(10)
+        reporter.submit(verdict(2))  # a new verdict starts its own clock
+        assert not reporter.verdict_overdue(0.2)
+        assert reporter.close(10)
+    finally:
+        operator.stop()
