@@ -38,10 +38,10 @@ def train() -> None:
         batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
         result = guard.step(batch)
         for verdict in result.verdicts:
-            print(f"rank {dist.get_rank()}: step {verdict.step}: {verdict.message}")
+            print(f"rank {dist.get_rank()}: step {verdict.step}: {verdict.message}", flush=True)
     guard.close()
     if dist.get_rank() == 0:
-        print(f"done: last clean step {guard.last_clean_step}, loss {result.loss:.4f}")
+        print(f"done: last clean step {guard.last_clean_step}, loss {result.loss:.4f}", flush=True)
 
 
 def main() -> None:

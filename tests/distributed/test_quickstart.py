@@ -34,9 +34,22 @@ def run(env_extra: dict[str, str], nproc: int = 2) -> subprocess.CompletedProces
     )
 
 
+# torch 2.13's gloo can abort a process at interpreter exit, after all its work is done
+# ("terminate called without an active exception": worker threads still holding tensors
+# during finalization); plain DDP under torchrun does it too. That exit status says
+# nothing about the example, so it is tolerated, and only it.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def finished(proc: subprocess.CompletedProcess[str]) -> None:
+    if proc.returncode != 0:
+        assert TEARDOWN_ABORT in proc.stderr, proc.stderr
+        assert 'quickstart.py", line' not in proc.stderr, proc.stderr  # no exception of ours
+
+
 def test_quickstart_runs_clean() -> None:
     proc = run({})
-    assert proc.returncode == 0, proc.stderr
+    finished(proc)
     assert "done: last clean step 40" in proc.stdout
     assert "step" not in proc.stdout.replace("done: last clean step", "")
 
@@ -44,6 +57,6 @@ def test_quickstart_runs_clean() -> None:
 def test_quickstart_drill_from_the_environment_is_caught() -> None:
     # Three replicas, so a majority can name the odd one out.
     proc = run({"HYPERPOD_SDC_FAULTS": "rank=1,step=12,site=weights,kind=bitflip,bit=3"}, nproc=3)
-    assert proc.returncode == 0, proc.stderr
+    finished(proc)
     assert "rank 0: step 15: weights of rank(s) 1 differ" in proc.stdout
     assert "done: last clean step 10" in proc.stdout
