@@ -109,14 +109,19 @@ def spawn_local(
             if datetime.datetime.now() > deadline:
                 raise SDCError(f"spawn_local: ranks did not finish within {timeout:.0f} s")
             if results.empty():
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                # A rank that died before delivering its result (killed, segfault) fails
+                # the run; one that delivered and then exited badly does not (torch's
+                # gloo can abort at interpreter exit after all work is done).
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values
+                ]
                 if dead:
-                    # A rank died without reporting (killed, segfault): give the queue a
-                    # moment for the others, then fail.
-                    procs[0].join(timeout=1.0)
+                    procs[dead[0]].join(timeout=1.0)
                     if results.empty():
-                        codes = ", ".join(f"{p.exitcode}" for p in dead)
-                        raise SDCError(f"spawn_local: a rank died without a result (exit {codes})")
+                        codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in dead)
+                        raise SDCError(f"spawn_local: rank(s) died without a result ({codes})")
                 procs[0].join(timeout=0.05)
                 continue
             rank, ok, value = results.get()
