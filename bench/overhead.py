@@ -57,11 +57,13 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.mse_loss(model(x), y)
 
 
-def worker(rank: int, world: int, steps: int, warmup: int, batch: int) -> dict[str, Any]:
+def worker(
+    rank: int, world: int, steps: int, warmup: int, batch: int, bucket_view: bool
+) -> dict[str, Any]:
     runners: dict[str, Callable[[Any], object]] = {}
     for name, config in VARIANTS.items():
         torch.manual_seed(0)
-        ddp = DistributedDataParallel(make_model())
+        ddp = DistributedDataParallel(make_model(), gradient_as_bucket_view=bucket_view)
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
         if config is None:
 
@@ -95,9 +97,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per variant")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True) for every variant, plain included",
+    )
     args = parser.parse_args()
     results = spawn_local(
-        worker, ["bench-node-0", "bench-node-1"], (args.steps, args.warmup, args.batch)
+        worker,
+        ["bench-node-0", "bench-node-1"],
+        (args.steps, args.warmup, args.batch, args.bucket_view),
     )
     times = results[0]  # ranks run in lockstep; rank 0 is representative
     plain = statistics.fmean(times["plain"])
@@ -107,6 +116,7 @@ def main() -> None:
         "ranks": 2,
         "parameters": sum(p.numel() for p in make_model().parameters()),
         "batch": args.batch,
+        "gradient_as_bucket_view": args.bucket_view,
         "steps_per_variant": args.steps,
         "plain_step_ms": round(plain * 1e3, 2),
         "variants": {},
