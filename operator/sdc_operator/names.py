@@ -1,0 +1,19 @@
+"""The names users see (DESIGN.md), in one place."""
+
+from __future__ import annotations
+
+GROUP = "hyperpod-sdc.dev"
+VERSION = "v1alpha1"
+INCIDENT_KIND = "SDCIncident"
+INCIDENT_PLURAL = "sdcincidents"
+
+ENABLED_ANNOTATION = f"{GROUP}/enabled"
+SUSPECT_KEY = f"{GROUP}/suspect"
+"""Taint key (``true:NoSchedule``) and label of a quarantined node."""
+INCIDENT_ANNOTATION = f"{GROUP}/incident"
+"""On a quarantined node: ``<namespace>/<incident name>``."""
+ACTION_ANNOTATION = f"{GROUP}/action"
+RESUME_MAX_STEP_ENV = "HYPERPOD_SDC_RESUME_MAX_STEP"
+
+HYPERPOD_CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
+HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"

@@ -1,0 +1,86 @@
+"""Pure decisions about nodes: which EC2 instance a node is, and how to quarantine it.
+
+Never ``node.kubernetes.io/out-of-service``: it force-detaches the volumes of a node that
+is still running.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from .names import INCIDENT_ANNOTATION, SUSPECT_KEY
+
+__all__ = [
+    "instance_id_from_node_name",
+    "instance_id_from_provider_id",
+    "quarantine_patch",
+    "release_patch",
+]
+
+_INSTANCE = re.compile(r"^i-[0-9a-f]{8}(?:[0-9a-f]{9})?$")
+SUSPECT_TAINT = {"key": SUSPECT_KEY, "value": "true", "effect": "NoSchedule"}
+
+
+def instance_id_from_provider_id(provider_id: str | None) -> str | None:
+    """``aws:///us-west-2a/i-0123456789abcdef0`` -> ``i-0123456789abcdef0``; else ``None``."""
+    if not provider_id or not provider_id.startswith("aws://"):
+        return None
+    candidate = provider_id.rstrip("/").rsplit("/", 1)[-1]
+    return candidate if _INSTANCE.match(candidate) else None
+
+
+def instance_id_from_node_name(name: str | None) -> str | None:
+    """HyperPod names nodes ``hyperpod-i-0123456789abcdef0``; else ``None``."""
+    if not name or not name.startswith("hyperpod-"):
+        return None
+    candidate = name[len("hyperpod-") :]
+    return candidate if _INSTANCE.match(candidate) else None
+
+
+def quarantine_patch(node: dict[str, Any], incident: str) -> dict[str, Any] | None:
+    """The merge patch that cordons, taints, labels and annotates ``node`` for
+    ``incident`` (``<namespace>/<name>``), or ``None`` when it already is: idempotent.
+
+    The taint list is replaced whole (a merge patch cannot append), so the patch carries
+    the node's other taints unchanged.
+    """
+    spec = node.get("spec") or {}
+    meta = node.get("metadata") or {}
+    taints = copy.deepcopy(spec.get("taints") or [])
+    has_taint = any(t.get("key") == SUSPECT_KEY and t.get("effect") == "NoSchedule" for t in taints)
+    labelled = (meta.get("labels") or {}).get(SUSPECT_KEY) == "true"
+    annotated = (meta.get("annotations") or {}).get(INCIDENT_ANNOTATION) == incident
+    if spec.get("unschedulable") is True and has_taint and labelled and annotated:
+        return None
+    if not has_taint:
+        taints.append(dict(SUSPECT_TAINT))
+    return {
+        "metadata": {
+            "labels": {SUSPECT_KEY: "true"},
+            "annotations": {INCIDENT_ANNOTATION: incident},
+        },
+        "spec": {"unschedulable": True, "taints": taints},
+    }
+
+
+def release_patch(node: dict[str, Any]) -> dict[str, Any] | None:
+    """Undo :func:`quarantine_patch` (after review found a false alarm), or ``None``."""
+    spec = node.get("spec") or {}
+    meta = node.get("metadata") or {}
+    taints = [t for t in spec.get("taints") or [] if t.get("key") != SUSPECT_KEY]
+    quarantined = (
+        len(taints) != len(spec.get("taints") or [])
+        or SUSPECT_KEY in (meta.get("labels") or {})
+        or INCIDENT_ANNOTATION in (meta.get("annotations") or {})
+    )
+    if not quarantined:
+        return None
+    return {
+        "metadata": {
+            "labels": {SUSPECT_KEY: None},
+            "annotations": {INCIDENT_ANNOTATION: None},
+        },
+        "spec": {"unschedulable": None, "taints": taints or None},
+    }
