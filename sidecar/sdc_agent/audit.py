@@ -132,7 +132,9 @@ class ReplayAudit:
 
     def observe_bucket(self, bucket: dist.GradBucket) -> None:
         """From the comm hook, before the all-reduce: remember each local gradient."""
-        if bucket.index() == 0:  # DDP may rebuild its buckets after the first step
+        # Where bucket 0's gradients sit, for replaying local-gradient faults (drills only;
+        # recorded every step because DDP may rebuild its buckets after the first).
+        if bucket.index() == 0 and self.injector:
             base = bucket.buffer().data_ptr()
             size = bucket.buffer().element_size()
             self._bucket0 = [

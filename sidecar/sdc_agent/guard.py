@@ -212,7 +212,7 @@ class Guard:
             self.begin_step()
         finally:
             self._simple_step = False
-        total = torch.zeros(())
+        total: torch.Tensor | None = None  # stays on the device: one host sync per step
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
             if j == 0:
@@ -226,10 +226,11 @@ class Guard:
                 (loss / count if count > 1 else loss).backward()
             if j == 0 and not last:
                 self._audit.observe_grads()
-            total = total + loss.detach().float().cpu()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
         applied = self.check_gradients()
         if applied:
             self.optimizer.step()
+        assert total is not None
         return self.finish_step(applied=applied, loss=total / count)
 
     # -- the phases ----------------------------------------------------------------------
