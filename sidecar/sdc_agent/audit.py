@@ -15,13 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .faults import FaultInjector, FaultSpec, corrupt_
-from .fingerprint import Fingerprinter, combine_fingerprints
+from .fingerprint import Fingerprinter
 from .replay import (
     Payload,
     ReplayFinding,
     choose_tiebreakers,
+    combine_per_parameter,
     exchange,
     explain_mismatches,
+    gradient_fingerprint,
     loss_bits,
     plan_ring,
     replay,
@@ -153,9 +155,7 @@ class ReplayAudit:
                     self._own_fps[id(p)] = self.fingerprinter(p.grad)
 
     def _own_row(self) -> torch.Tensor:
-        zero = torch.zeros(2, dtype=torch.int64, device=self.device)
-        per = [self._own_fps.get(id(p), zero).to(self.device) for p in self.params]
-        fp = combine_fingerprints(torch.stack(per)) if per else zero
+        fp = combine_per_parameter([self._own_fps.get(id(p)) for p in self.params], self.device)
         assert self.own_loss is not None
         return torch.cat([loss_bits(self.own_loss).reshape(1).to(self.device), fp])
 
@@ -165,9 +165,7 @@ class ReplayAudit:
         result = replay(self.module, self.params, self.loss_fn, payload, self.device)
         grads = result.grads
         self._inject_replay_grads(grads)
-        zero = torch.zeros(2, dtype=torch.int64, device=self.device)
-        fps = [zero if g is None else self.fingerprinter(g).to(self.device) for g in grads]
-        fp = combine_fingerprints(torch.stack(fps)) if fps else zero
+        fp = gradient_fingerprint(grads, self.fingerprinter, self.device)
         finite = bool(torch.isfinite(result.loss).all()) and all(
             bool(torch.isfinite(torch.stack(torch.aminmax(g))).all())
             for g in grads

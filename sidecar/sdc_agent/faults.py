@@ -43,6 +43,7 @@ from torch import nn
 
 from ._validate import require_bool, require_choice, require_int
 from .errors import ConfigError
+from .fingerprint import INT_OF_WIDTH
 
 __all__ = ["FAULT_KINDS", "FAULT_SITES", "FaultInjector", "FaultSpec", "corrupt_", "parse_faults"]
 
@@ -50,8 +51,6 @@ Site = Literal["grad_local", "grad_reduced", "weights", "forward"]
 Kind = Literal["nan", "inf", "bitflip", "relative"]
 FAULT_SITES: tuple[str, ...] = ("grad_local", "grad_reduced", "weights", "forward")
 FAULT_KINDS: tuple[str, ...] = ("nan", "inf", "bitflip", "relative")
-
-_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,14 +177,14 @@ def corrupt_(tensor: torch.Tensor, spec: FaultSpec) -> None:
             mask = 1 << spec.bit
             if mask >= 1 << (width - 1):
                 mask -= 1 << width
-            bits = flat.view(_INT_OF_WIDTH[flat.element_size()])
+            bits = flat.view(INT_OF_WIDTH[flat.element_size()])
             bits[sel] ^= mask
         else:
             old = flat[sel].clone()
             new = (old.float() * (1.0 + spec.relative_error)).to(flat.dtype)
             flat[sel] = new
             # The error must bite: nudge elements it left unchanged by one ulp.
-            bits = flat.view(_INT_OF_WIDTH[flat.element_size()])
+            bits = flat.view(INT_OF_WIDTH[flat.element_size()])
             unchanged = flat[sel] == old
             bits[sel] += unchanged.to(bits.dtype)
 

@@ -40,6 +40,7 @@ from .errors import ConfigError, SDCError
 
 __all__ = [
     "FINGERPRINT_BACKENDS",
+    "INT_OF_WIDTH",
     "Fingerprinter",
     "combine_fingerprints",
     "fingerprint",
@@ -51,7 +52,8 @@ log = logging.getLogger(__name__)
 Backend = Literal["auto", "compile", "eager"]
 FINGERPRINT_BACKENDS: tuple[str, ...] = ("auto", "compile", "eager")
 
-_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The signed integer dtype of each element width, to read a tensor's bits."""
 
 # The eager path works in chunks so the int64 temporaries stay in cache and the weight
 # vector is built once per device.
@@ -68,7 +70,7 @@ def _as_flat_bits(tensor: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    int_dtype = _INT_OF_WIDTH[flat.element_size()]
+    int_dtype = INT_OF_WIDTH[flat.element_size()]
     return flat if flat.dtype == int_dtype else flat.view(int_dtype)
 
 

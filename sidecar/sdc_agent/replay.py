@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fingerprint import Fingerprinter, combine_fingerprints
+from .fingerprint import Fingerprinter, _as_flat_bits, combine_fingerprints
 
 __all__ = [
     "Payload",
@@ -334,20 +334,24 @@ def _p2p(
 
 def loss_bits(loss: torch.Tensor) -> torch.Tensor:
     """The loss's bit pattern as an int64 scalar tensor (compared bit for bit)."""
-    flat = loss.detach().reshape(1)
-    width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    return flat.view(width).to(torch.int64)[0]
+    return _as_flat_bits(loss)[:1].to(torch.int64)[0]
+
+
+def combine_per_parameter(
+    fingerprints: Sequence[torch.Tensor | None], device: torch.device
+) -> torch.Tensor:
+    """One fingerprint of per-parameter fingerprints, in parameter order; ``None`` (no
+    gradient) counts as the fingerprint of zeros."""
+    zero = torch.zeros(2, dtype=torch.int64, device=device)
+    per = [zero if f is None else f.to(device) for f in fingerprints]
+    return combine_fingerprints(torch.stack(per)) if per else zero
 
 
 def gradient_fingerprint(
     grads: Sequence[torch.Tensor | None], fingerprinter: Fingerprinter, device: torch.device
 ) -> torch.Tensor:
-    """One fingerprint of per-parameter gradients, in parameter order; ``None`` counts as 0."""
-    zero = torch.zeros(2, dtype=torch.int64, device=device)
-    per = [zero if g is None else fingerprinter(g).to(device) for g in grads]
-    if not per:
-        return zero
-    return combine_fingerprints(torch.stack(per))
+    """One fingerprint of per-parameter gradients, in parameter order."""
+    return combine_per_parameter([None if g is None else fingerprinter(g) for g in grads], device)
 
 
 @dataclass(frozen=True, slots=True)
