@@ -119,7 +119,7 @@ apiVersion: v1
 kind: Config
 clusters:
 - name: local
-  cluster: {server: "$server", insecure-skip-tls-verify: true}
+  cluster: {server: "$server", certificate-authority: "$dir/certs/apiserver.crt"}
 users:
 - name: admin
   user: {token: "$token"}

@@ -12,9 +12,46 @@ from typing import Any
 
 from .names import ENABLED_ANNOTATION, RESUME_MAX_STEP_ENV
 
-__all__ = ["is_enabled", "is_suspended", "resume_patch", "suspend_patch"]
+__all__ = [
+    "JOB_KINDS",
+    "KUEUE_QUEUE_LABEL",
+    "deactivate_workload_patch",
+    "is_enabled",
+    "is_kueue_managed",
+    "is_suspended",
+    "job_owner",
+    "resume_patch",
+    "suspend_patch",
+]
 
 REPLICA_SPECS = "pytorchReplicaSpecs"
+JOB_KINDS: dict[tuple[str, str], str] = {("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs"}
+"""(apiVersion, kind) of each supported job kind -> its plural."""
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_WORKLOAD_API = "kueue.x-k8s.io/v1beta1"
+KUEUE_WORKLOAD_PLURAL = "workloads"
+
+
+def job_owner(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's controlling owner reference if it is a supported training job."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller") and (ref.get("apiVersion"), ref.get("kind")) in JOB_KINDS:
+            return dict(ref)
+    return None
+
+
+def is_kueue_managed(job: dict[str, Any]) -> bool:
+    """Kueue admits (and suspends) jobs that carry its queue label; such a job is stopped
+    through its Workload, or Kueue would lift our suspension when it next admits it."""
+    return bool(((job.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL))
+
+
+def deactivate_workload_patch(workload: dict[str, Any]) -> dict[str, Any] | None:
+    """Merge patch that deactivates a Kueue Workload (Kueue then evicts and suspends its
+    job), or ``None`` if it is inactive already."""
+    if (workload.get("spec") or {}).get("active") is False:
+        return None
+    return {"spec": {"active": False}}
 
 
 def is_enabled(job: dict[str, Any]) -> bool:

@@ -1,0 +1,284 @@
+"""The incident engine: folds verdicts into ``SDCIncident`` objects and drives containment.
+
+Every change goes through the incident's status, written with its ``resourceVersion`` (a
+conflict re-reads and tries again), and every action is recorded right after it is taken.
+:meth:`IncidentEngine.reconcile` takes the first action the status does not yet record as
+done; actions are idempotent, so one taken but not recorded before a crash is found in
+place and recorded, not repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sdc_agent.protocol import VerdictReport
+
+from . import incidents, jobs, nodes
+from .incidents import Action, JobRef, ResolvedSuspect, now_iso
+from .kube import Kube, is_conflict, is_not_found
+from .metrics import Metrics
+from .names import SUSPECT_KEY
+from .settings import OperatorSettings
+
+__all__ = ["IncidentEngine"]
+
+log = logging.getLogger(__name__)
+_CONFLICT_RETRIES = 20
+
+
+class IncidentEngine:
+    def __init__(self, kube: Kube, settings: OperatorSettings, metrics: Metrics) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._agreed_at: dict[tuple[str, str], float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    # -- intake side -----------------------------------------------------------------------
+
+    async def record_verdict(
+        self,
+        job: JobRef,
+        report: VerdictReport,
+        *,
+        reporter_pod: str,
+        reporter_node: str,
+        suspects: Sequence[ResolvedSuspect],
+    ) -> tuple[str, str]:
+        """Create or update the incident for ``report``'s window; returns (name, phase)."""
+        name = incidents.incident_name(job, report)
+        key = (job.namespace, name)
+        async with self._lock(*key):
+            for _ in range(_CONFLICT_RETRIES):
+                incident = await self._get_or_create(job, name, report)
+                status, changed = incidents.fold_report(
+                    incident.get("status") or {},
+                    report,
+                    reporter_pod=reporter_pod,
+                    reporter_node=reporter_node,
+                    suspects=suspects,
+                    needed=self.settings.agreement_nodes,
+                    received_at=now_iso(),
+                )
+                if not changed:
+                    return name, str(status.get("phase"))
+                was = (incident.get("status") or {}).get("phase")
+                incident["status"] = status
+                try:
+                    await self.kube.replace_incident_status(incident)
+                except Exception as exc:
+                    if is_conflict(exc):
+                        continue
+                    raise
+                if status["phase"] == "Detected" and was != "Detected":
+                    self._agreed_at[key] = time.monotonic()
+                    log.warning("incident %s/%s: %s", job.namespace, name, report.message)
+                break
+            else:
+                raise RuntimeError(f"incident {job.namespace}/{name}: too many write conflicts")
+        self.schedule(job.namespace, name)
+        return name, str(status.get("phase"))
+
+    async def _get_or_create(self, job: JobRef, name: str, report: VerdictReport) -> dict[str, Any]:
+        try:
+            return await self.kube.get_incident(job.namespace, name)
+        except Exception as exc:
+            if not is_not_found(exc):
+                raise
+        body = incidents.new_incident(job, name, report)
+        try:
+            created = await self.kube.create_incident(body)
+        except Exception as exc:
+            if is_conflict(exc):  # created meanwhile by an earlier operator process
+                return await self.kube.get_incident(job.namespace, name)
+            raise
+        self.metrics.incidents.labels(report.check, report.classification).inc()
+        await self._event(created, "Detected", report.message, True)
+        return created
+
+    # -- containment -----------------------------------------------------------------------
+
+    def schedule(self, namespace: str, name: str) -> None:
+        """Reconcile in the background (from the intake, a watch event or the resync)."""
+        task = asyncio.get_running_loop().create_task(self._reconcile_logged(namespace, name))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reconcile_logged(self, namespace: str, name: str) -> None:
+        try:
+            await self.reconcile(namespace, name)
+        except Exception:
+            log.exception(
+                "incident %s/%s: containment failed; retried at the next resync", namespace, name
+            )
+
+    async def reconcile(self, namespace: str, name: str) -> None:
+        needed = self.settings.agreement_nodes
+        async with self._lock(namespace, name):
+            for _ in range(_CONFLICT_RETRIES):
+                try:
+                    incident = await self.kube.get_incident(namespace, name)
+                except Exception as exc:
+                    if is_not_found(exc):
+                        return
+                    raise
+                try:
+                    while (action := incidents.next_action(incident, needed)) is not None:
+                        result, message = await self._take(incident, action)
+                        incident["status"] = incidents.record_action(
+                            incident["status"], action, result, message, now_iso()
+                        )
+                        incident = await self.kube.replace_incident_status(incident)
+                        self.metrics.actions.labels(action.action, result).inc()
+                    summary = incidents.containment_summary(incident, needed, self.settings.dry_run)
+                    if summary is None:
+                        return
+                    phase, contained, reason, message = summary
+                    status = dict(incident["status"])
+                    status["phase"] = phase
+                    incidents.set_condition(
+                        status, "Contained", contained, reason, message, now_iso()
+                    )
+                    incident["status"] = status
+                    incident = await self.kube.replace_incident_status(incident)
+                except Exception as exc:
+                    if is_conflict(exc):
+                        continue
+                    raise
+                break
+            else:
+                raise RuntimeError(f"incident {namespace}/{name}: too many write conflicts")
+        agreed = self._agreed_at.pop((namespace, name), None)
+        if agreed is not None and phase == "Contained":
+            self.metrics.report_to_contained.observe(time.monotonic() - agreed)
+        await self._event(incident, "Contained" if phase == "Contained" else phase, message, False)
+        log.warning("incident %s/%s: %s", namespace, name, message)
+
+    async def _take(self, incident: dict[str, Any], action: Action) -> tuple[str, str]:
+        """Take one action (or, in dry-run, only say what it would be): (result, message)."""
+        if self.settings.dry_run:
+            return "DryRun", f"dry-run: would {action.action.replace('-', ' ')} {action.target}"
+        if action.action == "suspend-job":
+            return await self._suspend_job(incident)
+        if action.action == "quarantine-node":
+            return await self._quarantine_node(incident, action.target)
+        raise ValueError(f"unknown action {action.action!r}")
+
+    async def _suspend_job(self, incident: dict[str, Any]) -> tuple[str, str]:
+        ref = incident["spec"]["job"]
+        namespace = incident["metadata"]["namespace"]
+        plural = jobs.JOB_KINDS[(ref["apiVersion"], ref["kind"])]
+        try:
+            job = await self.kube.get_object(ref["apiVersion"], plural, namespace, ref["name"])
+        except Exception as exc:
+            if is_not_found(exc):
+                return "Skipped", "the job no longer exists"
+            raise
+        if job["metadata"].get("uid") != ref["uid"]:
+            return "Skipped", "the job was deleted and recreated since the report"
+        if jobs.is_kueue_managed(job):
+            done = await self._deactivate_workloads(job)
+            if done is not None:
+                await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
+                return "Succeeded", done
+        patch = jobs.suspend_patch(job)
+        if patch is None:
+            return "Succeeded", "runPolicy.suspend was already true"
+        await self.kube.patch_object(ref["apiVersion"], plural, namespace, ref["name"], patch)
+        message = (
+            f"set runPolicy.suspend=true: suspected silent data corruption ({self._ref(incident)})"
+        )
+        await self._event(job, "SDCJobSuspended", message, True)
+        return "Succeeded", "set runPolicy.suspend=true"
+
+    async def _deactivate_workloads(self, job: dict[str, Any]) -> str | None:
+        namespace = job["metadata"]["namespace"]
+        try:
+            workloads = await self.kube.list_objects(
+                jobs.KUEUE_WORKLOAD_API, jobs.KUEUE_WORKLOAD_PLURAL, namespace
+            )
+        except Exception as exc:
+            if is_not_found(exc):  # Kueue is not installed
+                return None
+            raise
+        uid = job["metadata"]["uid"]
+        owned = [
+            w
+            for w in workloads
+            if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])
+        ]
+        if not owned:
+            return None
+        names = []
+        for workload in owned:
+            patch = jobs.deactivate_workload_patch(workload)
+            if patch is not None:
+                await self.kube.patch_object(
+                    jobs.KUEUE_WORKLOAD_API,
+                    jobs.KUEUE_WORKLOAD_PLURAL,
+                    namespace,
+                    workload["metadata"]["name"],
+                    patch,
+                )
+            names.append(workload["metadata"]["name"])
+        return f"deactivated Kueue Workload {', '.join(names)} (spec.active=false)"
+
+    async def _quarantine_node(self, incident: dict[str, Any], node_name: str) -> tuple[str, str]:
+        try:
+            node = await self.kube.get_node(node_name)
+        except Exception as exc:
+            if is_not_found(exc):
+                return "Skipped", f"node {node_name} no longer exists"
+            raise
+        ref = self._ref(incident)
+        patch = nodes.quarantine_patch(node, ref)
+        if patch is None:
+            return "Succeeded", "already cordoned, tainted, labelled and annotated"
+        await self.kube.patch_node(node_name, patch)
+        await self.refresh_quarantined()
+        message = (
+            f"cordoned; taint {SUSPECT_KEY}=true:NoSchedule, label {SUSPECT_KEY}=true and "
+            f"annotation for incident {ref}"
+        )
+        await self._event(node, "SDCNodeQuarantined", f"{message}", True)
+        return "Succeeded", message
+
+    async def refresh_quarantined(self) -> None:
+        quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
+        self.metrics.quarantined_nodes.set(len(quarantined))
+
+    @staticmethod
+    def _ref(incident: dict[str, Any]) -> str:
+        meta = incident["metadata"]
+        return f"{meta['namespace']}/{meta['name']}"
+
+    async def _event(self, obj: dict[str, Any], reason: str, message: str, warning: bool) -> None:
+        try:
+            await self.kube.emit_event(obj, reason, message, warning=warning)
+        except Exception as exc:  # an Event is a courtesy; never fail an action over one
+            log.warning("could not post event %s: %s", reason, exc)
+
+    # -- resync ----------------------------------------------------------------------------
+
+    async def resync(self) -> None:
+        """Drive every unfinished incident (after a restart or a failed action)."""
+        namespaces: Sequence[str | None] = self.settings.namespaces or (None,)
+        for namespace in namespaces:
+            for incident in await self.kube.list_incidents(namespace):
+                if (incident.get("status") or {}).get("phase") == "Detected":
+                    meta = incident["metadata"]
+                    self.schedule(meta["namespace"], meta["name"])
+        await self.refresh_quarantined()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

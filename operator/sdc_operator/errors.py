@@ -1,0 +1,27 @@
+"""Every exception the operator raises, under one base class."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "OperatorError", "Refusal"]
+
+
+class OperatorError(Exception):
+    """Base class of every error raised by ``sdc_operator``."""
+
+
+class ConfigError(OperatorError, ValueError):
+    """A setting has a bad value; the message names the environment variable."""
+
+
+class Refusal(OperatorError):
+    """A report the intake will not accept: answered with ``status`` (a 4xx) and counted
+    under ``reason`` in ``hyperpod_sdc_refusals_total``. Nothing in the cluster changes."""
+
+    def __init__(
+        self, status: int, reason: str, message: str, *, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after

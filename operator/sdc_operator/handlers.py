@@ -1,0 +1,123 @@
+"""The kopf handlers: start the intake and the engine, and react to incidents.
+
+Only ``on.event`` watches ``SDCIncident`` objects: it needs no finalizer and writes
+nothing of kopf's onto them. kopf lists every existing incident when it starts, so an
+operator restarted in the middle of an incident picks it up at once; a resync every
+``resync_seconds`` retries what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Any
+
+import boto3
+import kopf
+from aiohttp import web
+
+from .auth import Authenticator, StaticTokens, TokenReviewer
+from .engine import IncidentEngine
+from .intake import Intake
+from .kube import Kube, load_config
+from .localize import InstanceResolver
+from .metrics import Metrics
+from .names import GROUP, INCIDENT_PLURAL, VERSION
+from .settings import OperatorSettings
+
+__all__ = ["Operator"]
+
+log = logging.getLogger(__name__)
+
+
+class Operator:
+    """Everything the operator runs besides kopf's own watches."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        load_config()
+        self.kube = Kube()
+        self.metrics = Metrics()
+        self.engine = IncidentEngine(self.kube, settings, self.metrics)
+        authenticator: Authenticator
+        if settings.auth_mode == "static":
+            assert settings.static_tokens_file is not None
+            authenticator = StaticTokens(settings.static_tokens_file)
+            log.warning("auth mode is static: development only, tokens are not reviewed")
+        else:
+            authenticator = TokenReviewer(
+                self.kube, settings.token_audience, settings.token_cache_seconds
+            )
+        resolver = InstanceResolver(
+            lambda: boto3.client("sagemaker", region_name=settings.aws_region),
+            cluster_name=settings.cluster_name,
+        )
+        self.intake = Intake(
+            settings, self.kube, authenticator, self.engine, resolver, self.metrics
+        )
+        self._runner: web.AppRunner | None = None
+        self._resync: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        ssl_context = None
+        if self.settings.tls_cert_file and self.settings.tls_key_file:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.settings.tls_cert_file, self.settings.tls_key_file)
+        self._runner = web.AppRunner(self.intake.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner,
+            self.settings.listen_address,
+            self.settings.listen_port,
+            ssl_context=ssl_context,
+        )
+        await site.start()
+        log.info(
+            "intake listening on %s://%s:%d",
+            "https" if ssl_context else "http",
+            self.settings.listen_address,
+            self.settings.listen_port,
+        )
+        self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
+
+    async def _resync_forever(self) -> None:
+        while True:
+            try:
+                await self.engine.resync()
+            except Exception:
+                log.exception("resync failed; trying again in %g s", self.settings.resync_seconds)
+            await asyncio.sleep(self.settings.resync_seconds)
+
+    async def stop(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            await asyncio.gather(self._resync, return_exceptions=True)
+        await self.engine.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.kube.close()
+
+
+@kopf.on.startup()
+async def operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.enabled = False  # the engine posts its own, meaningful Events
+    settings.peering.standalone = True  # one replica (Deployment strategy Recreate)
+    operator = Operator(OperatorSettings.from_env())
+    await operator.start()
+    memo.operator = operator
+
+
+@kopf.on.cleanup()
+async def operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    operator = getattr(memo, "operator", None)
+    if operator is not None:
+        await operator.stop()
+
+
+@kopf.on.event(GROUP, VERSION, INCIDENT_PLURAL)
+async def sdcincident_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":
+        return
+    if (body.get("status") or {}).get("phase") == "Detected":
+        memo.operator.engine.schedule(body.metadata.namespace, body.metadata.name)

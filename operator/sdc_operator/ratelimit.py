@@ -1,0 +1,45 @@
+"""Per-job token buckets: a flood from one job is refused (429) without slowing others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["RateLimiter"]
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 100_000,
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._max_keys = max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def acquire(self, key: str) -> float | None:
+        """Take one token for ``key``: ``None`` if granted, else seconds until one is."""
+        now = self._clock()
+        tokens, last = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens >= 1.0:
+            self._remember(key, tokens - 1.0, now)
+            return None
+        self._remember(key, tokens, now)
+        return (1.0 - tokens) / self.rate
+
+    def _remember(self, key: str, tokens: float, now: float) -> None:
+        if key not in self._buckets and len(self._buckets) >= self._max_keys:
+            # Full buckets carry no state worth keeping: drop them first.
+            for k in [
+                k
+                for k, (t, last) in self._buckets.items()
+                if t + (now - last) * self.rate >= self.burst
+            ]:
+                del self._buckets[k]
+        self._buckets[key] = (tokens, now)

@@ -1,0 +1,284 @@
+"""A real Kubernetes API server on loopback (scripts/kube-apiserver.sh) and the operator
+as a real process, for the integration tests.
+
+There is no scheduler and no kubelet: the tests create pods with ``spec.nodeName`` set,
+as the scheduler would, and nothing runs in them. Everything the operator sees and does
+goes through the real API server: TokenRequest, TokenReview, CRDs, patches, Events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+
+ROOT = Path(__file__).resolve().parents[2]
+# Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
+PYTORCHJOB_CRD = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+KUBECTL = os.environ.get("KUBECTL", "kubectl")
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 20.0) -> T:
+    """Poll ``fn`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # retried until the deadline
+            last = exc
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last error: {last})")
+
+
+class Cluster:
+    """A started API server with the CRDs installed; ``state`` holds its files."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        out = subprocess.run(
+            [str(ROOT / "scripts" / "kube-apiserver.sh"), "start", str(state)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        self.kubeconfig = values["KUBECONFIG"]
+        self.server = values["SERVER"]
+        self.api = config.new_client_from_config(self.kubeconfig)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        try:
+            # create, not apply: the PyTorchJob CRD is too large for apply's annotation.
+            self.kubectl("create", "-f", str(ROOT / "crds"))
+            self.kubectl("create", "--validate=false", "-f", str(PYTORCHJOB_CRD))
+            for crd in ("sdcincidents.hyperpod-sdc.dev", "pytorchjobs.kubeflow.org"):
+                self.kubectl(
+                    "wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s"
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    def kubectl(self, *args: str) -> str:
+        done = subprocess.run(
+            [KUBECTL, "--kubeconfig", self.kubeconfig, *args], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{done.stderr}")
+        return done.stdout
+
+    def stop(self) -> None:
+        self.api.close()
+        subprocess.run([str(ROOT / "scripts" / "kube-apiserver.sh"), "stop", str(self.state)])
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def namespace(self) -> str:
+        name = f"t-{secrets.token_hex(4)}"
+        self.core.create_namespace({"metadata": {"name": name}})
+        self.core.create_namespaced_service_account(name, {"metadata": {"name": "worker"}})
+        return name
+
+    def node(
+        self,
+        *,
+        hyperpod: bool = True,
+        provider_id: bool = True,
+        labels: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        instance = "i-" + secrets.token_hex(9)[:17]
+        name = (
+            f"hyperpod-{instance}"
+            if hyperpod
+            else f"ip-10-0-{secrets.randbelow(250)}-{secrets.randbelow(250)}.ec2.internal"
+        )
+        spec: dict[str, Any] = {}
+        if provider_id:
+            spec["providerID"] = f"aws:///us-west-2a/{instance}"
+        body = {"metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+        self.core.create_node(body)
+        return self.get_node(name)
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        return json.loads(self.core.read_node(name, _preload_content=False).data)
+
+    def job(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        enabled: bool = True,
+        replicas: int = 3,
+        labels: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        container = {
+            "name": "pytorch",
+            "image": "example.com/train:1",
+            "env": [{"name": "A", "value": "1"}],
+        }
+        template = {"spec": {"containers": [container], "serviceAccountName": "worker"}}
+        body = {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {
+                "name": name,
+                "annotations": {"hyperpod-sdc.dev/enabled": "true" if enabled else "false"},
+                "labels": labels or {},
+            },
+            "spec": {
+                "runPolicy": {"suspend": False},
+                "pytorchReplicaSpecs": {
+                    "Master": {"replicas": 1, "template": template},
+                    "Worker": {"replicas": replicas - 1, "template": template},
+                },
+            },
+        }
+        return self.custom.create_namespaced_custom_object(
+            "kubeflow.org", "v1", namespace, "pytorchjobs", body
+        )
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(
+            "kubeflow.org", "v1", namespace, "pytorchjobs", name
+        )
+
+    def pod(
+        self, namespace: str, name: str, node: str, owner: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name}
+        if owner is not None:
+            meta["ownerReferences"] = [
+                {
+                    "apiVersion": owner["apiVersion"],
+                    "kind": owner["kind"],
+                    "name": owner["metadata"]["name"],
+                    "uid": owner["metadata"]["uid"],
+                    "controller": True,
+                }
+            ]
+        body = {
+            "metadata": meta,
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": "worker",
+                "automountServiceAccountToken": False,
+                "containers": [{"name": "pytorch", "image": "example.com/train:1"}],
+            },
+        }
+        created = self.core.create_namespaced_pod(namespace, body)
+        return {"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}}
+
+    def token(self, namespace: str, pod: str, audience: str = "hyperpod-sdc") -> str:
+        uid = self.core.read_namespaced_pod(pod, namespace).metadata.uid
+        body = {
+            "spec": {
+                "audiences": [audience],
+                "expirationSeconds": 3600,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid},
+            }
+        }
+        review = self.core.create_namespaced_service_account_token("worker", namespace, body)
+        return str(review.status.token)
+
+    def incidents(self, namespace: str) -> list[dict[str, Any]]:
+        found = self.custom.list_namespaced_custom_object(
+            "hyperpod-sdc.dev", "v1alpha1", namespace, "sdcincidents"
+        )
+        return list(found["items"])
+
+    def events(self, namespace: str) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.core.list_namespaced_event(namespace).items]
+
+
+class OperatorProcess:
+    """``python -m sdc_operator`` against the cluster, watching one namespace."""
+
+    def __init__(self, cluster: Cluster, namespace: str, log_path: Path, **settings: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "KUBECONFIG": cluster.kubeconfig,
+            "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
+            "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
+            "HYPERPOD_SDC_NAMESPACES": namespace,
+            "HYPERPOD_SDC_RESYNC_SECONDS": "1",
+            "AWS_DEFAULT_REGION": "us-west-2",
+            **{f"HYPERPOD_SDC_{k.upper()}": v for k, v in settings.items()},
+        }
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sdc_operator"],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for("the operator's intake", self._ready, timeout=60)
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def post(
+    url: str, body: bytes | str, token: str | None, content_type: str = "application/json"
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    data = body.encode() if isinstance(body, str) else body
+    headers = {"Content-Type": content_type}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"{url}/v1/reports", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}"), dict(exc.headers)

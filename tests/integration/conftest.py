@@ -1,0 +1,57 @@
+"""Fixtures: one API server per test session, one namespace and operator per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+from .cluster import Cluster, OperatorProcess
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    started = Cluster(tmp_path_factory.mktemp("apiserver"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> str:
+    return cluster.namespace()
+
+
+@pytest.fixture
+def start_operator(
+    cluster: Cluster, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., OperatorProcess]]:
+    """Starts ``python -m sdc_operator`` with extra settings (``dry_run="true"``, ...);
+    every process started is stopped after the test, and its log shown if it failed."""
+    started: list[OperatorProcess] = []
+
+    def start(**settings: str) -> OperatorProcess:
+        proc = OperatorProcess(
+            cluster, namespace, tmp_path / f"operator-{len(started)}.log", **settings
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        for proc in started:
+            print(f"--- {proc.log_path}\n{proc.log()[-6000:]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
