@@ -209,10 +209,10 @@ def fold_report(
 
 def _set_suspects(status: dict[str, Any], suspects: Sequence[ResolvedSuspect]) -> None:
     status["suspects"] = [s.as_status() for s in suspects]
-    status["ranks"] = ",".join(str(s.rank) for s in suspects)
-    for key in ("node", "instanceId"):
+    for key in ("ranks", "node", "instanceId"):
         status.pop(key, None)
     if suspects:
+        status["ranks"] = ",".join(str(s.rank) for s in suspects)
         status["node"] = suspects[0].node
         if suspects[0].instance_id:
             status["instanceId"] = suspects[0].instance_id

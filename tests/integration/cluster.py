@@ -26,6 +26,7 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[2]
 # Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
 PYTORCHJOB_CRD = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+WORKLOAD_CRD = ROOT / "tests" / "integration" / "crds" / "kueue.x-k8s.io_workloads.yaml"
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
 T = TypeVar("T")
 
@@ -72,7 +73,12 @@ class Cluster:
             # create, not apply: the PyTorchJob CRD is too large for apply's annotation.
             self.kubectl("create", "-f", str(ROOT / "crds"))
             self.kubectl("create", "--validate=false", "-f", str(PYTORCHJOB_CRD))
-            for crd in ("sdcincidents.hyperpod-sdc.dev", "pytorchjobs.kubeflow.org"):
+            self.kubectl("create", "-f", str(WORKLOAD_CRD))
+            for crd in (
+                "sdcincidents.hyperpod-sdc.dev",
+                "pytorchjobs.kubeflow.org",
+                "workloads.kueue.x-k8s.io",
+            ):
                 self.kubectl(
                     "wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s"
                 )
@@ -247,7 +253,8 @@ class OperatorProcess:
             return False
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> str:

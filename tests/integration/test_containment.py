@@ -214,3 +214,44 @@ def test_verdict_from_two_nodes_reporters_is_contained(
     metrics = op.metrics()
     assert 'hyperpod_sdc_reports_total{kind="verdict",verdict="rank"} 2.0' in metrics
     assert "hyperpod_sdc_report_to_contained_seconds_count 1.0" in metrics
+
+
+def test_kueue_managed_job_is_stopped_through_its_workload(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    nodes = [cluster.node() for _ in range(3)]
+    body = cluster.job(namespace, "queued", labels={"kueue.x-k8s.io/queue-name": "team-a"})
+    pods = ["queued-master-0", "queued-worker-0", "queued-worker-1"]
+    for pod, node in zip(pods, nodes, strict=True):
+        cluster.pod(namespace, pod, node["metadata"]["name"], body)
+    job = Job(namespace, "queued", body, nodes, pods)
+    owner = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "name": "queued",
+        "uid": body["metadata"]["uid"],
+        "controller": True,
+    }
+    workload = {
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "Workload",
+        "metadata": {"name": "pytorchjob-queued-1a2b3", "ownerReferences": [owner]},
+        "spec": {"queueName": "team-a"},
+    }
+    cluster.custom.create_namespaced_custom_object(
+        "kueue.x-k8s.io", "v1beta1", namespace, "workloads", workload
+    )
+    op = start_operator()
+    for reporter in (0, 2):
+        assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
+    incident = incident_in(cluster, namespace, "Contained")
+    assert (
+        "deactivated Kueue Workload pytorchjob-queued-1a2b3"
+        in incident["status"]["actions"][0]["message"]
+    )
+    got = cluster.custom.get_namespaced_custom_object(
+        "kueue.x-k8s.io", "v1beta1", namespace, "workloads", "pytorchjob-queued-1a2b3"
+    )
+    assert got["spec"]["active"] is False
+    # Kueue, not the operator, suspends the job once its Workload is inactive
+    assert cluster.get_job(namespace, "queued")["spec"]["runPolicy"]["suspend"] is False

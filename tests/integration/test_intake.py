@@ -1,0 +1,273 @@
+"""Refusals against the real API server: each answers a clear 4xx and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+
+from .cluster import Cluster, OperatorProcess, post
+from .test_containment import Job, incident_in, make_job, send, verdict
+
+
+def snapshot(cluster: Cluster, job: Job) -> tuple[Any, ...]:
+    """What a refused report must leave as it was."""
+    return (
+        [i["metadata"]["name"] for i in cluster.incidents(job.namespace)],
+        cluster.get_job(job.namespace, job.name)["metadata"]["resourceVersion"],
+        [
+            cluster.get_node(job.node_name(i))["metadata"]["resourceVersion"]
+            for i in range(len(job.nodes))
+        ],
+    )
+
+
+def test_refusals_change_nothing(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    off = make_job(cluster, namespace, "notoptedin", enabled=False)
+    other = make_job(cluster, namespace, "other")
+    cluster.pod(namespace, "loose", job.node_name(0), None)  # a pod of no job
+    op = start_operator()
+    token = cluster.token(namespace, job.pods[0])
+    good = encode_report(verdict(job, 0))
+    as_dict = json.loads(good)
+    before = snapshot(cluster, job)
+
+    wrong_version = dict(as_dict, version=2)
+    bad_step = dict(as_dict, step="fifteen")
+    lying_node = json.loads(encode_report(verdict(job, 0)))
+    lying_node["reporter"]["node"] = job.node_name(1)
+    lying_pod = json.loads(encode_report(verdict(job, 0)))
+    lying_pod["reporter"]["pod"] = job.pods[1]
+    stale = encode_report(verdict(job, 0, sent_at=time.time() - 7200))
+    cases: list[tuple[str, bytes | str, str | None, str, int, str, str]] = [
+        # (what, body, token, content type, status, reason, text in message)
+        (
+            "malformed JSON",
+            b"{not json",
+            token,
+            "application/json",
+            400,
+            "malformed",
+            "not valid JSON",
+        ),
+        (
+            "wrong version",
+            json.dumps(wrong_version),
+            token,
+            "application/json",
+            422,
+            "schema",
+            "version",
+        ),
+        ("wrong type", json.dumps(bad_step), token, "application/json", 422, "schema", "step"),
+        (
+            "oversized",
+            b"{" + b" " * 70_000 + b"}",
+            token,
+            "application/json",
+            413,
+            "too_large",
+            "65536",
+        ),
+        ("not JSON media type", good, token, "text/plain", 415, "media_type", "application/json"),
+        ("no token", good, None, "application/json", 401, "unauthenticated", "Bearer"),
+        (
+            "invalid token",
+            good,
+            "not-a-token",
+            "application/json",
+            401,
+            "unauthenticated",
+            "token rejected",
+        ),
+        (
+            "wrong audience",
+            good,
+            cluster.token(namespace, job.pods[0], audience="https://kubernetes.default.svc"),
+            "application/json",
+            401,
+            "unauthenticated",
+            "token rejected",
+        ),
+        (
+            "job did not opt in",
+            good,
+            cluster.token(namespace, off.pods[0]),
+            "application/json",
+            403,
+            "not_opted_in",
+            "notoptedin",
+        ),
+        (
+            "pod of no job",
+            good,
+            cluster.token(namespace, "loose"),
+            "application/json",
+            403,
+            "not_a_job_pod",
+            "loose",
+        ),
+        (
+            "another job's token naming this job's rank",
+            encode_report(verdict(job, 0))
+            .replace(job.pods[0].encode(), other.pods[0].encode())
+            .replace(job.node_name(0).encode(), other.node_name(0).encode()),
+            cluster.token(namespace, other.pods[0]),
+            "application/json",
+            422,
+            "unknown_suspect",
+            "is not a pod of PyTorchJob",
+        ),
+        (
+            "reporter.node lies",
+            json.dumps(lying_node),
+            token,
+            "application/json",
+            403,
+            "reporter_mismatch",
+            "reporter.node",
+        ),
+        (
+            "reporter.pod lies",
+            json.dumps(lying_pod),
+            token,
+            "application/json",
+            403,
+            "reporter_mismatch",
+            "reporter.pod",
+        ),
+        ("stale", stale, token, "application/json", 422, "stale", "sent_at"),
+    ]
+    for what, body, tok, content_type, status, reason, text in cases:
+        got, answer, _ = post(op.url, body, tok, content_type)
+        assert (got, answer.get("error")) == (status, reason), f"{what}: {got} {answer}"
+        assert text in answer["message"], f"{what}: {answer['message']!r} lacks {text!r}"
+        assert snapshot(cluster, job) == before, f"{what} changed the cluster"
+    metrics = op.metrics()
+    for reason, count in {
+        "malformed": 1,
+        "schema": 2,
+        "unauthenticated": 3,
+        "reporter_mismatch": 2,
+        "unknown_suspect": 1,
+    }.items():
+        assert f'hyperpod_sdc_refusals_total{{reason="{reason}"}} {count}.0' in metrics, reason
+    assert not [i for i in cluster.incidents(namespace)]
+
+
+def test_flood_from_one_job_is_rate_limited(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    calm = make_job(cluster, namespace, "calm")
+    op = start_operator(rate_per_job="0.5", rate_burst="5")
+    token = cluster.token(namespace, job.pods[0])
+
+    def heartbeat(j: Job) -> bytes:
+        return encode_report(
+            HeartbeatReport(ReporterIdentity(0, j.node_name(0), j.pods[0]), time.time(), 100, 50)
+        )
+
+    answers = [post(op.url, heartbeat(job), token) for _ in range(8)]
+    assert [a[0] for a in answers] == [202] * 5 + [429] * 3
+    assert answers[5][1]["error"] == "rate_limited"
+    assert int(answers[5][2]["Retry-After"]) >= 1
+    # another job is not slowed by the flood
+    assert post(op.url, heartbeat(calm), cluster.token(namespace, calm.pods[0]))[0] == 202
+    assert 'hyperpod_sdc_refusals_total{reason="rate_limited"} 3.0' in op.metrics()
+
+
+def test_duplicates_fold_into_one_incident(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    for reporter in (0, 0, 0, 2, 2, 1):
+        status, answer, _ = send(cluster, op, job, reporter, verdict(job, reporter))
+        assert status == 202, answer
+    incident = incident_in(cluster, namespace, "Contained")
+    assert len(cluster.incidents(namespace)) == 1
+    assert sorted(r["node"] for r in incident["status"]["reports"]) == sorted(
+        job.node_name(i) for i in range(3)
+    )
+    actions = [(a["action"], a["target"]) for a in incident["status"]["actions"]]
+    assert actions == [
+        ("suspend-job", f"PyTorchJob {namespace}/train"),
+        ("quarantine-node", job.node_name(1)),
+    ]
+
+
+def test_one_node_is_not_enough(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    before = snapshot(cluster, job)
+    status, answer, _ = send(cluster, op, job, 0, verdict(job, 0))
+    assert (status, answer["phase"]) == (202, "WaitingForAgreement")
+    incident = incident_in(cluster, namespace, "WaitingForAgreement")
+    time.sleep(2)  # a resync or two: still nothing done
+    assert snapshot(cluster, job)[1:] == before[1:]
+    assert not (cluster.incidents(namespace)[0]["status"].get("actions"))
+    assert incident["status"]["conditions"][0]["type"] == "Detected"
+    # a second node that names a different suspect does not agree either
+    status, answer, _ = send(cluster, op, job, 2, verdict(job, 2, suspect_node=0))
+    assert (status, answer["phase"]) == (202, "WaitingForAgreement")
+    # a second node that agrees completes it
+    status, answer, _ = send(cluster, op, job, 1, verdict(job, 1))
+    assert (status, answer["phase"]) == (202, "Detected")
+    incident_in(cluster, namespace, "Contained")
+
+
+def test_dry_run_changes_nothing_but_the_incident(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator(dry_run="true")
+    before = snapshot(cluster, job)
+    for reporter in (0, 2):
+        assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
+    incident = incident_in(cluster, namespace, "DryRun")
+    assert [(a["action"], a["result"]) for a in incident["status"]["actions"]] == [
+        ("suspend-job", "DryRun"),
+        ("quarantine-node", "DryRun"),
+    ]
+    assert "would quarantine node" in incident["status"]["actions"][1]["message"]
+    assert snapshot(cluster, job)[1:] == before[1:]
+
+
+def test_training_problem_accuses_nobody(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    before = snapshot(cluster, job)
+    report = verdict(job, 0, classification="training")
+    body = json.loads(encode_report(report))
+    body.update(
+        suspects=[],
+        localized=False,
+        check="nonfinite",
+        message="every rank computed non-finite gradients",
+    )
+    for reporter in (0, 1, 2):
+        body["reporter"] = {
+            "rank": reporter * 2,
+            "node": job.node_name(reporter),
+            "pod": job.pods[reporter],
+        }
+        status, answer, _ = post(
+            op.url, json.dumps(body), cluster.token(namespace, job.pods[reporter])
+        )
+        assert (status, answer.get("phase")) == (202, "NotHardware"), answer
+    time.sleep(1.5)
+    assert snapshot(cluster, job)[1:] == before[1:]
+    (incident,) = cluster.incidents(namespace)
+    assert incident["status"]["phase"] == "NotHardware"
+    assert not incident["status"].get("actions")
