@@ -4,6 +4,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh agent,operator,test,dev
 export PYTHONHASHSEED=0
-echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
-echo "== mypy" && .venv/bin/mypy
-echo "== pytest" && .venv/bin/python -m pytest "$@"
+# One command per line: under `set -e` a failure inside an `a && b` list does not stop
+# the script.
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy"
+.venv/bin/mypy
+# The operator's integration tests need a real API server: built once (about 5 minutes on
+# 2 cores) and cached under ~/.cache/hyperpod-sdc.
+echo "== kube-apiserver"
+scripts/kube-apiserver.sh build
+echo "== pytest"
+.venv/bin/python -m pytest "$@"
