@@ -30,8 +30,10 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SOURCES
     fi
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev openssl curl >/dev/null
+    local packages=(golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev openssl curl)
+    # The tests drive the server with kubectl too; Debian's is 1.20, like the server.
+    command -v kubectl >/dev/null || packages+=(kubernetes-client)
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
 }
 
 build() {
@@ -80,7 +82,7 @@ free_port() {
 start() {
     local dir="$1"
     build >/dev/null
-    command -v etcd >/dev/null || install_packages
+    { command -v etcd && command -v kubectl; } >/dev/null || install_packages
     mkdir -p "$dir"
     dir="$(cd "$dir" && pwd)"
     local etcd_port peer_port api_port token

@@ -1,0 +1,198 @@
+"""The incident engine's pure decisions: names, folding, agreement, the next action."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
+from sdc_operator import incidents
+from sdc_operator.incidents import Action, JobRef, ResolvedSuspect
+
+JOB = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "llama-pretrain", "uid-1")
+AT = "2026-11-29T00:00:00Z"
+
+
+def report(
+    node: str,
+    *,
+    ranks: tuple[int, ...] = (3,),
+    classification: str = "rank",
+    step: int = 15,
+    last_clean: int = 10,
+    localized: bool = True,
+) -> VerdictReport:
+    return VerdictReport(
+        reporter=ReporterIdentity(0, node, f"pod-{node}"),
+        sent_at=1.0,
+        check="replay",
+        classification=classification,
+        step=step,
+        last_clean_step=last_clean,
+        localized=localized,
+        transient=False,
+        suspects=tuple(Suspect(r, "b", 1) for r in ranks),
+        message="m",
+    )
+
+
+def suspects(*ranks: int, node: str = "b") -> list[ResolvedSuspect]:
+    return [ResolvedSuspect(r, 1, f"pod-{node}", node, "i-0123456789abcdef0") for r in ranks]
+
+
+def fold(
+    status: dict[str, Any], node: str, *, ranks: tuple[int, ...] = (3,), needed: int = 2, **kw: Any
+) -> dict[str, Any]:
+    out, _ = incidents.fold_report(
+        status,
+        report(node, ranks=ranks, **kw),
+        reporter_pod=f"pod-{node}",
+        reporter_node=node,
+        suspects=suspects(*ranks),
+        needed=needed,
+        received_at=AT,
+    )
+    return out
+
+
+def incident(status: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ml", "name": "x"},
+        "spec": {"job": JOB.as_spec()},
+        "status": status,
+    }
+
+
+def test_name_is_stable_per_window_and_a_dns_label() -> None:
+    a = incidents.incident_name(JOB, report("a"))
+    assert a == incidents.incident_name(JOB, report("b"))
+    assert a != incidents.incident_name(JOB, report("a", step=16))
+    assert a != incidents.incident_name(JOB, report("a", last_clean=5))
+    other = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "llama-pretrain", "uid-2")
+    assert a != incidents.incident_name(other, report("a"))
+    long = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "x" * 63, "u")
+    name = incidents.incident_name(long, report("a", step=10**9))
+    assert len(name) <= 63 and name.startswith("x" * 40 + "-1000000000-")
+
+
+def test_one_node_waits_two_agreeing_nodes_detect() -> None:
+    status = fold({}, "a")
+    assert status["phase"] == "WaitingForAgreement"
+    assert incidents.next_action(incident(status), 2) is None
+    status = fold(status, "a")  # the same node again changes nothing
+    assert len(status["reports"]) == 1
+    status = fold(status, "c", ranks=(5,))  # disagrees
+    assert status["phase"] == "WaitingForAgreement"
+    status = fold(status, "d")
+    assert status["phase"] == "Detected"
+    assert (status["ranks"], status["node"], status["instanceId"]) == (
+        "3",
+        "b",
+        "i-0123456789abcdef0",
+    )
+    assert incidents.next_action(incident(status), 2) == Action(
+        "suspend-job", "PyTorchJob ml/llama-pretrain"
+    )
+
+
+def test_suspects_freeze_once_containment_starts() -> None:
+    status = fold(fold({}, "a"), "c")
+    assert status["phase"] == "Detected"
+    for node in ("d", "e", "f"):
+        status = fold(status, node, ranks=(7,))
+    assert status["ranks"] == "3"
+    assert incidents.agreed_group(status["reports"], 2) == ("rank", True, (7,))  # larger now
+    assert [a.target for a in incidents.planned_actions(incident(status), 2)][1:] == ["b"]
+
+
+def test_agreement_of_one_node_when_configured() -> None:
+    assert fold({}, "a", needed=1)["phase"] == "Detected"
+
+
+@pytest.mark.parametrize("classification", ["training", "nondeterministic"])
+def test_software_verdicts_take_no_action(classification: str) -> None:
+    status = fold(
+        fold({}, "a", ranks=(), classification=classification),
+        "c",
+        ranks=(),
+        classification=classification,
+    )
+    assert status["phase"] == "NotHardware"
+    assert incidents.planned_actions(incident(status), 2) == []
+
+
+def test_unlocalized_verdict_stops_the_job_and_quarantines_nothing() -> None:
+    status = fold(fold({}, "a", ranks=(1, 3), localized=False), "c", ranks=(1, 3), localized=False)
+    assert incidents.planned_actions(incident(status), 2) == [
+        Action("suspend-job", "PyTorchJob ml/llama-pretrain")
+    ]
+    status = incidents.record_action(
+        status, Action("suspend-job", "PyTorchJob ml/llama-pretrain"), "Succeeded", "", AT
+    )
+    assert incidents.containment_summary(incident(status), 2, False) == (
+        "Contained",
+        "True",
+        "JobStoppedNotLocalized",
+        "job stopped; the verdict does not single out a node, so none was quarantined",
+    )
+
+
+def test_actions_in_order_once_each_then_contained() -> None:
+    status = fold(fold({}, "a"), "c")
+    taken = []
+    while (action := incidents.next_action(incident(status), 2)) is not None:
+        taken.append(action)
+        status = incidents.record_action(status, action, "Succeeded", "ok", AT)
+        assert len(taken) < 5
+    assert taken == [
+        Action("suspend-job", "PyTorchJob ml/llama-pretrain"),
+        Action("quarantine-node", "b"),
+    ]
+    phase, contained, reason, _ = incidents.containment_summary(incident(status), 2, False) or (
+        "",
+        "",
+        "",
+        "",
+    )
+    assert (phase, contained, reason) == ("Contained", "True", "NodeQuarantined")
+    status = incidents.record_action(
+        status, taken[0], "Failed", "", AT
+    )  # a failure recorded later does not undo
+    assert incidents.next_action(incident(status), 2) is None
+
+
+def test_failed_or_skipped_action_is_retried() -> None:
+    status = fold(fold({}, "a"), "c")
+    action = incidents.next_action(incident(status), 2)
+    assert action is not None
+    status = incidents.record_action(status, action, "Failed", "boom", AT)
+    assert incidents.next_action(incident(status), 2) == action
+
+
+def test_conditions_keep_transition_time_unless_status_changes() -> None:
+    status: dict[str, Any] = {}
+    incidents.set_condition(status, "Contained", "False", "Waiting", "m", "t1")
+    incidents.set_condition(status, "Contained", "False", "Waiting", "m2", "t2")
+    assert status["conditions"] == [
+        {
+            "type": "Contained",
+            "status": "False",
+            "reason": "Waiting",
+            "message": "m2",
+            "lastTransitionTime": "t1",
+        }
+    ]
+    incidents.set_condition(status, "Contained", "True", "Done", "m3", "t3")
+    assert status["conditions"][0]["lastTransitionTime"] == "t3"
+
+
+def test_new_incident_has_no_owner_reference() -> None:
+    body = incidents.new_incident(JOB, "x", report("a"))
+    assert "ownerReferences" not in body["metadata"]
+    assert body["spec"]["job"] == {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "name": "llama-pretrain",
+        "uid": "uid-1",
+    }

@@ -1,0 +1,257 @@
+"""Settings, rate limiter, token review and instance lookup, each on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+
+from sdc_operator.auth import StaticTokens, TokenReviewer
+from sdc_operator.errors import ConfigError, Refusal
+from sdc_operator.localize import InstanceResolver
+from sdc_operator.ratelimit import RateLimiter
+from sdc_operator.settings import ENV_OF_FIELD, OperatorSettings
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def test_settings_defaults_are_safe() -> None:
+    s = OperatorSettings.from_env({})
+    assert (s.auth_mode, s.dry_run, s.agreement_nodes) == ("tokenreview", False, 2)
+
+
+def test_settings_from_env() -> None:
+    s = OperatorSettings.from_env(
+        {
+            "HYPERPOD_SDC_LISTEN_PORT": "9000",
+            "HYPERPOD_SDC_DRY_RUN": "yes",
+            "HYPERPOD_SDC_RATE_PER_JOB": "2.5",
+            "HYPERPOD_SDC_NAMESPACES": "a, b,",
+            "HYPERPOD_SDC_CLUSTER_NAME": "ml-cluster",
+        }
+    )
+    assert (s.listen_port, s.dry_run, s.rate_per_job, s.namespaces, s.cluster_name) == (
+        9000,
+        True,
+        2.5,
+        ("a", "b"),
+        "ml-cluster",
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"HYPERPOD_SDC_LISTEN_PORT": "http"},
+            "HYPERPOD_SDC_LISTEN_PORT: expected an integer, got 'http'",
+        ),
+        ({"HYPERPOD_SDC_LISTEN_PORT": "70000"}, "HYPERPOD_SDC_LISTEN_PORT: must be a port number"),
+        ({"HYPERPOD_SDC_DRY_RUN": "maybe"}, "HYPERPOD_SDC_DRY_RUN: expected true or false"),
+        (
+            {"HYPERPOD_SDC_AUTH_MODE": "none"},
+            "HYPERPOD_SDC_AUTH_MODE: must be one of tokenreview, static",
+        ),
+        ({"HYPERPOD_SDC_AUTH_MODE": "static"}, "HYPERPOD_SDC_STATIC_TOKENS_FILE: is required"),
+        (
+            {"HYPERPOD_SDC_TLS_CERT_FILE": "/c.pem"},
+            "HYPERPOD_SDC_TLS_CERT_FILE: and HYPERPOD_SDC_TLS_KEY_FILE go together",
+        ),
+        ({"HYPERPOD_SDC_AGREEMENT_NODES": "0"}, "HYPERPOD_SDC_AGREEMENT_NODES: must be >= 1"),
+        ({"HYPERPOD_SDC_RATE_PER_JOB": "0"}, "HYPERPOD_SDC_RATE_PER_JOB: must be > 0"),
+        (
+            {"HYPERPOD_SDC_MAX_BODY_BYTES": "1000000"},
+            "HYPERPOD_SDC_MAX_BODY_BYTES: must be between 1 and 65536",
+        ),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
+        OperatorSettings.from_env(env)
+
+
+def test_every_setting_is_documented() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    missing = [name for name in ENV_OF_FIELD.values() if f"`{name}`" not in doc]
+    assert not missing, f"docs/operator.md lacks {missing}"
+
+
+# -- rate limiter --------------------------------------------------------------------------
+
+
+def test_rate_limiter_bursts_then_refills_per_key() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [limiter.acquire("a") for _ in range(3)] == [None, None, None]
+    wait = limiter.acquire("a")
+    assert wait == pytest.approx(0.5)
+    assert limiter.acquire("b") is None  # another job is not affected
+    now[0] = 0.5
+    assert limiter.acquire("a") is None
+    assert limiter.acquire("a") is not None
+
+
+def test_rate_limiter_memory_is_bounded() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rate=1.0, burst=1, clock=lambda: now[0], max_keys=10)
+    for i in range(10):
+        limiter.acquire(str(i))
+    now[0] = 100.0  # every bucket refilled: dropped when a new key needs room
+    limiter.acquire("new")
+    assert len(limiter._buckets) == 1
+
+
+# -- authentication ------------------------------------------------------------------------
+
+
+class Reviews:
+    def __init__(self, status: dict[str, Any]) -> None:
+        self.status = status
+        self.calls = 0
+
+    async def token_review(self, token: str, audience: str) -> dict[str, Any]:
+        self.calls += 1
+        return self.status
+
+
+BOUND = {
+    "authenticated": True,
+    "audiences": ["hyperpod-sdc"],
+    "user": {
+        "username": "system:serviceaccount:ml:worker",
+        "extra": {
+            "authentication.kubernetes.io/pod-name": ["job-worker-0"],
+            "authentication.kubernetes.io/pod-uid": ["u1"],
+        },
+    },
+}
+
+
+def test_token_review_gives_the_bound_pod_and_is_cached() -> None:
+    reviews = Reviews(BOUND)
+    reviewer = TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=30)
+    for _ in range(3):
+        identity = asyncio.run(reviewer.authenticate("t"))
+    assert (identity.namespace, identity.pod, identity.pod_uid) == ("ml", "job-worker-0", "u1")
+    assert reviews.calls == 1
+    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate("t"))
+    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate("t"))
+    assert reviews.calls == 3
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        ({"authenticated": False, "error": "token expired"}, "token rejected: token expired"),
+        ({**BOUND, "audiences": ["other"]}, "not meant for audience 'hyperpod-sdc'"),
+        ({**BOUND, "user": {"username": "alice"}}, "alice is not a ServiceAccount"),
+        ({**BOUND, "user": {"username": "system:serviceaccount:ml:worker"}}, "not bound to a pod"),
+    ],
+)
+def test_token_review_refusals(status: dict[str, Any], message: str) -> None:
+    reviewer = TokenReviewer(Reviews(status), "hyperpod-sdc", cache_seconds=30)
+    with pytest.raises(Refusal, match=message) as caught:
+        asyncio.run(reviewer.authenticate("t"))
+    assert (caught.value.status, caught.value.reason) == (401, "unauthenticated")
+
+
+def test_static_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("# dev\nsecret-a ml/job-worker-0\n\nsecret-b ml/job-worker-1\n")
+    tokens = StaticTokens(str(path))
+    assert asyncio.run(tokens.authenticate("secret-b")).pod == "job-worker-1"
+    with pytest.raises(Refusal, match="not in the static tokens file"):
+        asyncio.run(tokens.authenticate("secret-c"))
+    path.write_text("secret-a job-worker-0\n")
+    with pytest.raises(ConfigError, match=r"tokens:1: expected '<token> <namespace>/<pod>'"):
+        StaticTokens(str(path))
+
+
+# -- instance ids --------------------------------------------------------------------------
+
+
+def node(
+    name: str, *, provider: str | None = None, cluster: str | None = None, dns: str | None = None
+) -> dict[str, Any]:
+    labels = {"sagemaker.amazonaws.com/cluster-name": cluster} if cluster else {}
+    addresses = [{"type": "InternalDNS", "address": dns}] if dns else []
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"providerID": provider} if provider else {},
+        "status": {"addresses": addresses},
+    }
+
+
+def sagemaker_stub() -> tuple[Any, Stubber]:
+    sm = boto3.client(
+        "sagemaker", region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    return sm, Stubber(sm)
+
+
+def test_instance_id_from_provider_id_then_name_without_aws() -> None:
+    resolver = InstanceResolver(lambda: pytest.fail("no AWS call expected"))
+    assert asyncio.run(
+        resolver.instance_id(node("n", provider="aws:///us-west-2a/i-0123456789abcdef0"))
+    ) == ("i-0123456789abcdef0", "spec.providerID")
+    assert asyncio.run(resolver.instance_id(node("hyperpod-i-0123456789abcdef1"))) == (
+        "i-0123456789abcdef1",
+        "node name",
+    )
+    found, why = asyncio.run(resolver.instance_id(node("ip-10-0-0-1.ec2.internal")))
+    assert found is None and "HYPERPOD_SDC_CLUSTER_NAME" in why
+
+
+def test_instance_id_from_list_cluster_nodes_by_private_dns_name() -> None:
+    sm, stub = sagemaker_stub()
+    page = {
+        "ClusterNodeSummaries": [
+            {
+                "InstanceGroupName": "gpu",
+                "InstanceId": "i-0aaaaaaaaaaaaaaa1",
+                "InstanceType": "ml.p5.48xlarge",
+                "LaunchTime": 0,
+                "InstanceStatus": {"Status": "Running"},
+                "PrivateDnsHostname": "ip-10-0-0-1.us-west-2.compute.internal",
+            },
+            {
+                "InstanceGroupName": "gpu",
+                "InstanceId": "i-0aaaaaaaaaaaaaaa2",
+                "InstanceType": "ml.p5.48xlarge",
+                "LaunchTime": 0,
+                "InstanceStatus": {"Status": "Running"},
+                "PrivateDnsHostname": "ip-10-0-0-2.us-west-2.compute.internal",
+            },
+        ]
+    }
+    stub.add_response("list_cluster_nodes", page, {"ClusterName": "ml-cluster"})
+    with stub:
+        resolver = InstanceResolver(lambda: sm)
+        got = asyncio.run(
+            resolver.instance_id(
+                node("ip-10-0-0-2.us-west-2.compute.internal", cluster="ml-cluster")
+            )
+        )
+        assert got == ("i-0aaaaaaaaaaaaaaa2", "ListClusterNodes(ml-cluster)")
+        # cached: no second call (the stub would fail on one)
+        got = asyncio.run(
+            resolver.instance_id(
+                node("other", cluster="ml-cluster", dns="ip-10-0-0-1.us-west-2.compute.internal")
+            )
+        )
+        assert got == ("i-0aaaaaaaaaaaaaaa1", "ListClusterNodes(ml-cluster)")
+        stub.assert_no_pending_responses()
+
+
+def test_instance_id_lookup_failure_is_reported_not_raised() -> None:
+    sm, stub = sagemaker_stub()
+    stub.add_client_error("list_cluster_nodes", "ResourceNotFound", "no cluster ml-cluster")
+    with stub:
+        found, why = asyncio.run(
+            InstanceResolver(lambda: sm, cluster_name="ml-cluster").instance_id(node("ip-1"))
+        )
+    assert found is None and "no cluster ml-cluster" in why
