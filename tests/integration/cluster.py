@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -220,9 +221,18 @@ class Cluster:
 class OperatorProcess:
     """``python -m sdc_operator`` against the cluster, watching one namespace."""
 
-    def __init__(self, cluster: Cluster, namespace: str, log_path: Path, **settings: str) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        namespace: str,
+        log_path: Path,
+        scheme: str = "http",
+        **settings: str,
+    ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        # readiness and metrics are read over plain TLS without verification (test plumbing)
+        self._context = ssl._create_unverified_context() if scheme == "https" else None
         env = {
             **os.environ,
             "KUBECONFIG": cluster.kubeconfig,
@@ -247,7 +257,9 @@ class OperatorProcess:
         if self.proc.poll() is not None:
             raise AssertionError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
         try:
-            with urllib.request.urlopen(f"{self.url}/readyz", timeout=1) as response:
+            with urllib.request.urlopen(
+                f"{self.url}/readyz", timeout=1, context=self._context
+            ) as response:
                 return bool(response.status == 200)
         except OSError:
             return False
@@ -258,7 +270,9 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(
+            f"{self.url}/metrics", timeout=5, context=self._context
+        ) as response:
             return str(response.read().decode())
 
     def kill(self) -> None:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import urllib.error
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_agent.reporter import Reporter, ReporterConfig
 
 from .cluster import Cluster, OperatorProcess, post
 from .test_containment import Job, incident_in, make_job, send, verdict
@@ -271,3 +279,56 @@ def test_training_problem_accuses_nobody(
     (incident,) = cluster.incidents(namespace)
     assert incident["status"]["phase"] == "NotHardware"
     assert not incident["status"].get("actions")
+
+
+def test_https_intake_with_the_agents_reporter(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
+) -> None:
+    key, cert = tmp_path / "tls.key", tmp_path / "tls.crt"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hyperpod-sdc",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    job = make_job(cluster, namespace)
+    op = start_operator(tls_cert_file=str(cert), tls_key_file=str(key), scheme="https")
+    token_file = tmp_path / "token"
+    token_file.write_text(cluster.token(namespace, job.pods[0]))
+    reporter = Reporter(
+        ReporterConfig(operator_url=op.url, token_file=str(token_file), ca_bundle=str(cert))
+    )
+    reporter.submit(
+        HeartbeatReport(ReporterIdentity(0, job.node_name(0), job.pods[0]), time.time(), 100, 50)
+    )
+    assert reporter.flush(timeout=20)
+    assert (reporter.delivered, reporter.refused) == (1, 0)
+    reporter.close()
+    assert 'hyperpod_sdc_reports_total{kind="heartbeat",verdict=""} 1.0' in op.metrics()
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        post(op.url, b"{}", "t")  # a client that does not trust the certificate
+
+
+def test_bad_setting_stops_the_operator_with_a_clear_message() -> None:
+    env = {**os.environ, "HYPERPOD_SDC_AGREEMENT_NODES": "none"}
+    done = subprocess.run(
+        [sys.executable, "-m", "sdc_operator"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "HYPERPOD_SDC_AGREEMENT_NODES: expected an integer, got 'none'" in done.stderr
