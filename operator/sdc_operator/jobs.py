@@ -25,7 +25,10 @@ __all__ = [
 ]
 
 REPLICA_SPECS = "pytorchReplicaSpecs"
-JOB_KINDS: dict[tuple[str, str], str] = {("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs"}
+JOB_KINDS: dict[tuple[str, str], str] = {
+    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
+    ("sagemaker.amazonaws.com/v1", "HyperPodPyTorchJob"): "hyperpodpytorchjobs",
+}
 """(apiVersion, kind) of each supported job kind -> its plural."""
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_WORKLOAD_API = "kueue.x-k8s.io/v1beta1"

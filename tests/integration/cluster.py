@@ -28,6 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
 PYTORCHJOB_CRD = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
 WORKLOAD_CRD = ROOT / "tests" / "integration" / "crds" / "kueue.x-k8s.io_workloads.yaml"
+HYPERPOD_CRD = (
+    ROOT / "tests" / "integration" / "crds" / "sagemaker.amazonaws.com_hyperpodpytorchjobs.yaml"
+)
+JOB_API = {
+    "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs"),
+    "HyperPodPyTorchJob": ("sagemaker.amazonaws.com", "v1", "hyperpodpytorchjobs"),
+}
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
 T = TypeVar("T")
 
@@ -75,10 +82,12 @@ class Cluster:
             self.kubectl("create", "-f", str(ROOT / "crds"))
             self.kubectl("create", "--validate=false", "-f", str(PYTORCHJOB_CRD))
             self.kubectl("create", "-f", str(WORKLOAD_CRD))
+            self.kubectl("create", "-f", str(HYPERPOD_CRD))
             for crd in (
                 "sdcincidents.hyperpod-sdc.dev",
                 "pytorchjobs.kubeflow.org",
                 "workloads.kueue.x-k8s.io",
+                "hyperpodpytorchjobs.sagemaker.amazonaws.com",
             ):
                 self.kubectl(
                     "wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s"
@@ -138,6 +147,7 @@ class Cluster:
         enabled: bool = True,
         replicas: int = 3,
         labels: dict[str, str] | None = None,
+        kind: str = "PyTorchJob",
     ) -> dict[str, Any]:
         container = {
             "name": "pytorch",
@@ -145,30 +155,30 @@ class Cluster:
             "env": [{"name": "A", "value": "1"}],
         }
         template = {"spec": {"containers": [container], "serviceAccountName": "worker"}}
+        group, version, plural = JOB_API[kind]
+        spec: dict[str, Any] = {"runPolicy": {"suspend": False}}
+        if kind == "PyTorchJob":
+            spec["pytorchReplicaSpecs"] = {
+                "Master": {"replicas": 1, "template": template},
+                "Worker": {"replicas": replicas - 1, "template": template},
+            }
+        else:
+            spec["replicaSpecs"] = [{"name": "pods", "replicas": replicas, "template": template}]
         body = {
-            "apiVersion": "kubeflow.org/v1",
-            "kind": "PyTorchJob",
+            "apiVersion": f"{group}/{version}",
+            "kind": kind,
             "metadata": {
                 "name": name,
                 "annotations": {"hyperpod-sdc.dev/enabled": "true" if enabled else "false"},
                 "labels": labels or {},
             },
-            "spec": {
-                "runPolicy": {"suspend": False},
-                "pytorchReplicaSpecs": {
-                    "Master": {"replicas": 1, "template": template},
-                    "Worker": {"replicas": replicas - 1, "template": template},
-                },
-            },
+            "spec": spec,
         }
-        return self.custom.create_namespaced_custom_object(
-            "kubeflow.org", "v1", namespace, "pytorchjobs", body
-        )
+        return self.custom.create_namespaced_custom_object(group, version, namespace, plural, body)
 
-    def get_job(self, namespace: str, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(
-            "kubeflow.org", "v1", namespace, "pytorchjobs", name
-        )
+    def get_job(self, namespace: str, name: str, kind: str = "PyTorchJob") -> dict[str, Any]:
+        group, version, plural = JOB_API[kind]
+        return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
 
     def pod(
         self, namespace: str, name: str, node: str, owner: dict[str, Any] | None

@@ -39,10 +39,11 @@ def make_job(
     *,
     enabled: bool = True,
     n: int = 3,
+    kind: str = "PyTorchJob",
     **node_kw: Any,
 ) -> Job:
     nodes = [cluster.node(**node_kw) for _ in range(n)]
-    body = cluster.job(namespace, name, enabled=enabled, replicas=n)
+    body = cluster.job(namespace, name, enabled=enabled, replicas=n, kind=kind)
     pods = [f"{name}-master-0"] + [f"{name}-worker-{i}" for i in range(n - 1)]
     for pod, node in zip(pods, nodes, strict=True):
         cluster.pod(namespace, pod, node["metadata"]["name"], body)
@@ -255,3 +256,18 @@ def test_kueue_managed_job_is_stopped_through_its_workload(
     assert got["spec"]["active"] is False
     # Kueue, not the operator, suspends the job once its Workload is inactive
     assert cluster.get_job(namespace, "queued")["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_hyperpod_pytorchjob_is_contained_the_same_way(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace, "hp", kind="HyperPodPyTorchJob")
+    op = start_operator()
+    for reporter in (0, 2):
+        assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
+    incident = incident_in(cluster, namespace, "Contained")
+    assert incident["spec"]["job"]["kind"] == "HyperPodPyTorchJob"
+    assert incident["status"]["actions"][0]["target"] == f"HyperPodPyTorchJob {namespace}/hp"
+    hp = cluster.get_job(namespace, "hp", kind="HyperPodPyTorchJob")
+    assert hp["spec"]["runPolicy"]["suspend"] is True
+    assert cluster.get_node(job.node_name(1))["spec"]["unschedulable"] is True
