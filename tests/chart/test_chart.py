@@ -1,0 +1,204 @@
+"""The Helm chart, rendered offline with Helm v4 (helm-python-sdk): values, schema, lint,
+and what the templates produce. tests/integration/test_install.py creates the rendered
+manifests on a real API server."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "hyperpod-sdc"
+ALL_ON: dict[str, Any] = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "networkPolicy": {"enabled": True, "namespaceSelector": {"matchLabels": {"team": "ml"}}},
+    "tls": {"caNamespaces": ["ml", "research"]},
+    "operator": {"namespaces": ["ml"], "dryRun": True, "clusterName": "ml-cluster"},
+    "serviceAccount": {
+        "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/sdc"}
+    },
+}
+
+
+def render(
+    values: dict[str, Any] | None = None, namespace: str = "hyperpod-sdc"
+) -> list[dict[str, Any]]:
+    """Every object the chart renders (templates only; Helm installs crds/ itself)."""
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values or {}, name="hyperpod-sdc", namespace=namespace, is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_crd_is_an_identical_copy() -> None:
+    for source in (ROOT / "crds").glob("*.yaml"):
+        copy = CHART / "crds" / source.name
+        assert copy.read_bytes() == source.read_bytes(), (
+            f"{copy} differs from {source}: cp crds/*.yaml {copy.parent}/"
+        )
+    assert sorted(p.name for p in (CHART / "crds").glob("*")) == sorted(
+        p.name for p in (ROOT / "crds").glob("*.yaml")
+    )
+
+
+def test_every_value_has_a_comment() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    uncommented = []
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*[A-Za-z][\w.-]*:", line):
+            above = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            if not above.startswith("# --"):
+                uncommented.append(line.strip())
+    assert not uncommented, f"values.yaml keys without a '# --' comment: {uncommented}"
+
+
+def test_schema_covers_every_value_and_rejects_unknown_keys() -> None:
+    chart = helm.Chart.load(str(CHART))
+    chart.validate_schema({})
+    chart.validate_schema(ALL_ON)
+    typos: list[tuple[dict[str, Any], str]] = [
+        ({"operatr": {}}, "operatr"),
+        ({"tls": {"enabeld": True}}, "enabeld"),
+        ({"image": {"tags": "1"}}, "tags"),
+    ]
+    for typo, where in typos:
+        with pytest.raises(helm.HelmValuesError, match=where):
+            chart.render(typo, name="x", namespace="x")
+    with pytest.raises(helm.HelmValuesError, match="agreementNodes"):
+        chart.render({"operator": {"agreementNodes": 0}}, name="x", namespace="x")
+
+
+def test_lint_is_clean() -> None:
+    for values in ({}, ALL_ON):
+        report = helm.lint(str(CHART), values, strict=True)
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not report["errors"] and not problems, report
+
+
+def test_default_render_is_least_privilege_and_hardened() -> None:
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+    ]
+    (deploy,) = by_kind(docs, "Deployment")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HYPERPOD_SDC_TLS_CERT_FILE"] == "/etc/hyperpod-sdc/tls/tls.crt"
+    assert (env["HYPERPOD_SDC_DRY_RUN"], env["HYPERPOD_SDC_AGREEMENT_NODES"]) == ("false", "2")
+    (role,) = by_kind(docs, "ClusterRole")
+    for rule in role["rules"]:
+        assert "secrets" not in rule["resources"] and "*" not in rule["resources"] + rule["verbs"]
+        assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
+    (secret,) = by_kind(docs, "Secret")
+    assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+
+
+def test_every_env_setting_the_operator_reads_is_set_from_values() -> None:
+    from sdc_operator.settings import ENV_OF_FIELD
+
+    (deploy,) = by_kind(render(), "Deployment")
+    env = {e["name"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # the listen address keeps its default (all interfaces); auth mode and static tokens
+    # are for development only, and body size stays at the protocol's limit
+    not_in_chart = {
+        "HYPERPOD_SDC_LISTEN_ADDRESS",
+        "HYPERPOD_SDC_AUTH_MODE",
+        "HYPERPOD_SDC_STATIC_TOKENS_FILE",
+        "HYPERPOD_SDC_MAX_BODY_BYTES",
+    }
+    assert set(ENV_OF_FIELD.values()) - not_in_chart <= env
+
+
+def test_optional_parts() -> None:
+    docs = render(ALL_ON)
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["tlsConfig"]["ca"]["secret"]["key"] == "ca.crt"
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"] == {
+        "matchLabels": {"team": "ml"}
+    }
+    cas = by_kind(docs, "ConfigMap")
+    assert sorted(c["metadata"]["namespace"] for c in cas) == ["ml", "research"]
+    (secret,) = by_kind(docs, "Secret")
+    import base64
+
+    assert {c["data"]["ca.crt"].strip() for c in cas} == {
+        base64.b64decode(secret["data"]["ca.crt"]).decode().strip()
+    }
+    (deploy,) = by_kind(docs, "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert (env["HYPERPOD_SDC_NAMESPACES"], env["HYPERPOD_SDC_DRY_RUN"]) == ("ml", "true")
+
+
+def test_tls_off_and_existing_secret() -> None:
+    docs = render({"tls": {"enabled": False}})
+    assert not by_kind(docs, "Secret")
+    (deploy,) = by_kind(docs, "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert "HYPERPOD_SDC_TLS_CERT_FILE" not in {e["name"] for e in container["env"]}
+    docs = render({"tls": {"existingSecret": "my-cert"}})
+    assert not by_kind(docs, "Secret")
+    (deploy,) = by_kind(docs, "Deployment")
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "my-cert"
+
+
+def test_notes_tell_how_to_opt_in_and_where_to_look() -> None:
+    chart = helm.Chart.load(str(CHART))
+    notes = chart.render({}, name="hyperpod-sdc", namespace="hyperpod-sdc", is_install=True)[
+        "hyperpod-sdc/templates/NOTES.txt"
+    ]
+    for text in (
+        'hyperpod-sdc.dev/enabled: "true"',
+        "https://hyperpod-sdc.hyperpod-sdc.svc:443",
+        "kubectl get sdcincidents",
+        'audience "hyperpod-sdc"',
+    ):
+        assert text in notes
+
+
+def test_dockerfile_is_multi_stage_non_root_and_torch_free() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert len(re.findall(r"^FROM ", text, re.M)) == 2
+    assert re.search(r"^USER 65532", text, re.M)
+    assert (
+        '"hyperpod-sdc[operator]"' in text
+        and "[agent]" not in text.split("FROM")[-1].split("USER")[0]
+    )
+    assert 'ENTRYPOINT ["python", "-m", "sdc_operator"]' in text
