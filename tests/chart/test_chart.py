@@ -202,3 +202,41 @@ def test_dockerfile_is_multi_stage_non_root_and_torch_free() -> None:
         and "[agent]" not in text.split("FROM")[-1].split("USER")[0]
     )
     assert 'ENTRYPOINT ["python", "-m", "sdc_operator"]' in text
+
+
+def test_the_images_install_recipe_gives_a_torch_free_operator(tmp_path: Path) -> None:
+    """The Dockerfile's two RUN steps (no container runtime here): a wheel of the project,
+    installed with the operator extra into a clean environment, runs without torch."""
+    import subprocess
+    import sys
+    import venv
+
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("hyperpod_sdc-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-c",
+            str(ROOT / "constraints.txt"),
+            f"{wheel}[operator]",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    check = (
+        "import importlib.util, sdc_operator.handlers, sdc_operator.__main__\n"
+        "assert importlib.util.find_spec('torch') is None, 'torch was installed'\n"
+    )
+    subprocess.run([str(python), "-c", check], check=True, capture_output=True)

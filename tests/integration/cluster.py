@@ -31,6 +31,9 @@ WORKLOAD_CRD = ROOT / "tests" / "integration" / "crds" / "kueue.x-k8s.io_workloa
 HYPERPOD_CRD = (
     ROOT / "tests" / "integration" / "crds" / "sagemaker.amazonaws.com_hyperpodpytorchjobs.yaml"
 )
+SERVICEMONITOR_CRD = (
+    ROOT / "tests" / "integration" / "crds" / "monitoring.coreos.com_servicemonitors.yaml"
+)
 JOB_API = {
     "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs"),
     "HyperPodPyTorchJob": ("sagemaker.amazonaws.com", "v1", "hyperpodpytorchjobs"),
@@ -83,11 +86,13 @@ class Cluster:
             self.kubectl("create", "--validate=false", "-f", str(PYTORCHJOB_CRD))
             self.kubectl("create", "-f", str(WORKLOAD_CRD))
             self.kubectl("create", "-f", str(HYPERPOD_CRD))
+            self.kubectl("create", "-f", str(SERVICEMONITOR_CRD))
             for crd in (
                 "sdcincidents.hyperpod-sdc.dev",
                 "pytorchjobs.kubeflow.org",
                 "workloads.kueue.x-k8s.io",
                 "hyperpodpytorchjobs.sagemaker.amazonaws.com",
+                "servicemonitors.monitoring.coreos.com",
             ):
                 self.kubectl(
                     "wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s"
@@ -95,6 +100,16 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def kubeconfig_for(self, namespace: str, service_account: str, path: Path) -> str:
+        """A kubeconfig that acts as the ServiceAccount (a token from TokenRequest)."""
+        review = self.core.create_namespaced_service_account_token(
+            service_account, namespace, {"spec": {"expirationSeconds": 3600}}
+        )
+        admin = Path(self.kubeconfig).read_text()
+        token = admin.split("token: ", 1)[1].split("}", 1)[0].strip().strip('"')
+        path.write_text(admin.replace(token, review.status.token))
+        return str(path)
 
     def kubectl(self, *args: str) -> str:
         done = subprocess.run(
@@ -237,6 +252,7 @@ class OperatorProcess:
         namespace: str,
         log_path: Path,
         scheme: str = "http",
+        kubeconfig: str | None = None,
         **settings: str,
     ) -> None:
         self.port = free_port()
@@ -245,7 +261,7 @@ class OperatorProcess:
         self._context = ssl._create_unverified_context() if scheme == "https" else None
         env = {
             **os.environ,
-            "KUBECONFIG": cluster.kubeconfig,
+            "KUBECONFIG": kubeconfig or cluster.kubeconfig,
             "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
             "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
             "HYPERPOD_SDC_NAMESPACES": namespace,

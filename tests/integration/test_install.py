@@ -1,0 +1,163 @@
+"""The Helm chart and the example manifests on a real API server: created as rendered, the
+ClusterRole checked by SubjectAccessReview, and the operator run under the chart's own
+ServiceAccount."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.chart.test_chart import ALL_ON, render
+
+from .cluster import ROOT, Cluster, OperatorProcess
+from .test_containment import incident_in, make_job, send, verdict
+
+
+def install(cluster: Cluster, values: dict[str, Any], tmp_path: Path) -> tuple[str, str]:
+    """Render the chart as release ``sdc-<random>`` into a new namespace and create every
+    object for real; returns (namespace, release)."""
+    release = f"sdc-{secrets.token_hex(3)}"
+    namespace = f"{release}-system"
+    cluster.core.create_namespace({"metadata": {"name": namespace}})
+    for ns in values.get("tls", {}).get("caNamespaces", []):
+        try:
+            cluster.core.create_namespace({"metadata": {"name": ns}})
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    chart_values = {**values, "fullnameOverride": release}
+    manifest = tmp_path / f"{release}.yaml"
+    manifest.write_text(yaml.safe_dump_all(render(chart_values, namespace=namespace)))
+    cluster.kubectl("create", "-f", str(manifest))
+    return namespace, release
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON], ids=["defaults", "all-optional-parts"])
+def test_rendered_chart_is_created(
+    cluster: Cluster, values: dict[str, Any], tmp_path: Path
+) -> None:
+    namespace, release = install(cluster, values, tmp_path)
+    got = cluster.kubectl(
+        "get", "deployment,service,serviceaccount,secret", "-n", namespace, "-o", "name"
+    )
+    for name in (
+        f"deployment.apps/{release}",
+        f"service/{release}",
+        f"serviceaccount/{release}",
+        f"secret/{release}-tls",
+    ):
+        assert name in got.split()
+    if values:
+        assert f"servicemonitor.monitoring.coreos.com/{release}" in cluster.kubectl(
+            "get", "servicemonitors", "-n", namespace, "-o", "name"
+        )
+        assert (
+            cluster.kubectl("get", "networkpolicy", "-n", namespace, "-o", "name").strip()
+            == f"networkpolicy.networking.k8s.io/{release}"
+        )
+        assert "ca.crt" in cluster.kubectl(
+            "get", "configmap", "hyperpod-sdc-ca", "-n", "research", "-o", "yaml"
+        )
+
+
+def can(
+    cluster: Cluster,
+    namespace: str,
+    sa: str,
+    verb: str,
+    group: str,
+    resource: str,
+    subresource: str = "",
+) -> bool:
+    review = client.AuthorizationV1Api(cluster.api).create_subject_access_review(
+        {
+            "spec": {
+                "user": f"system:serviceaccount:{namespace}:{sa}",
+                "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                "resourceAttributes": {
+                    "verb": verb,
+                    "group": group,
+                    "resource": resource,
+                    "subresource": subresource,
+                    "namespace": "ml",
+                },
+            }
+        }
+    )
+    return bool(review.status.allowed)
+
+
+def test_cluster_role_allows_what_the_operator_does_and_nothing_more(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    namespace, release = install(cluster, {}, tmp_path)
+    needed = [
+        ("create", "authentication.k8s.io", "tokenreviews", ""),
+        ("get", "", "pods", ""),
+        ("list", "", "pods", ""),
+        ("get", "", "nodes", ""),
+        ("list", "", "nodes", ""),
+        ("patch", "", "nodes", ""),
+        ("create", "", "events", ""),
+        ("get", "kubeflow.org", "pytorchjobs", ""),
+        ("patch", "kubeflow.org", "pytorchjobs", ""),
+        ("get", "sagemaker.amazonaws.com", "hyperpodpytorchjobs", ""),
+        ("patch", "sagemaker.amazonaws.com", "hyperpodpytorchjobs", ""),
+        ("list", "kueue.x-k8s.io", "workloads", ""),
+        ("patch", "kueue.x-k8s.io", "workloads", ""),
+        ("create", "hyperpod-sdc.dev", "sdcincidents", ""),
+        ("watch", "hyperpod-sdc.dev", "sdcincidents", ""),
+        ("update", "hyperpod-sdc.dev", "sdcincidents", "status"),
+    ]
+    refused = [
+        ("get", "", "secrets", ""),
+        ("list", "", "secrets", ""),
+        ("watch", "", "secrets", ""),
+        ("delete", "", "nodes", ""),
+        ("delete", "", "pods", ""),
+        ("create", "", "pods", "exec"),
+        ("update", "", "nodes", ""),
+        ("get", "", "configmaps", ""),
+        ("delete", "kubeflow.org", "pytorchjobs", ""),
+        ("delete", "hyperpod-sdc.dev", "sdcincidents", ""),
+        ("create", "rbac.authorization.k8s.io", "clusterrolebindings", ""),
+    ]
+    assert [a for a in needed if not can(cluster, namespace, release, *a)] == []
+    assert [a for a in refused if can(cluster, namespace, release, *a)] == []
+
+
+def test_operator_runs_under_the_charts_service_account(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
+) -> None:
+    """Everything the operator does in a real incident, with only the chart's RBAC."""
+    release_ns, release = install(cluster, {}, tmp_path)
+    kubeconfig = cluster.kubeconfig_for(release_ns, release, tmp_path / "sa-kubeconfig")
+    job = make_job(cluster, namespace)
+    op = start_operator(kubeconfig=kubeconfig)
+    for reporter in (0, 2):
+        assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
+    incident = incident_in(cluster, namespace, "Contained")
+    assert [(a["action"], a["result"]) for a in incident["status"]["actions"]] == [
+        ("suspend-job", "Succeeded"),
+        ("quarantine-node", "Succeeded"),
+    ]
+    assert "Forbidden" not in op.log()
+
+
+@pytest.mark.parametrize("example", ["pytorchjob.yaml", "hyperpodpytorchjob.yaml"])
+def test_example_manifests_are_accepted(cluster: Cluster, example: str) -> None:
+    try:
+        cluster.core.create_namespace({"metadata": {"name": "ml"}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    out = cluster.kubectl("create", "--dry-run=server", "-f", str(ROOT / "examples" / example))
+    assert "created (server dry run)" in out
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    assert doc["metadata"]["annotations"]["hyperpod-sdc.dev/enabled"] == "true"
