@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sdc_agent
-from sdc_agent.checkpoint import find_checkpoints, mark_checkpoint, select_checkpoint
+from sdc_agent.checkpoint import find_checkpoints, select_checkpoint
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -72,7 +72,7 @@ def main() -> None:
     model = DistributedDataParallel(net)
     guard = sdc_agent.Guard(model, optimizer, loss_fn)
     if start:
-        guard.restore(start)
+        guard.restore(start, location=str(ckpt.path))
 
     for step in range(start + 1, args.steps + 1):
         result = guard.step(batch_for(step, rank, device))
@@ -82,7 +82,7 @@ def main() -> None:
         if step % args.checkpoint_every == 0 and rank == 0:
             path = args.checkpoint_dir / f"step_{step}.pt"
             torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, path)
-            mark_checkpoint(path, step, verified=step <= guard.last_clean_step)
+            guard.mark_checkpoint(path)
     guard.close()
     dist.barrier()
     dist.destroy_process_group()

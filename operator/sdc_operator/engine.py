@@ -13,21 +13,41 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from sdc_agent.protocol import VerdictReport
+from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 
 from . import incidents, jobs, nodes
 from .incidents import Action, JobRef, ResolvedSuspect, now_iso
 from .kube import Kube, is_conflict, is_not_found
 from .metrics import Metrics
-from .names import SUSPECT_KEY
+from .names import GROUP, RESUME_MAX_STEP_ENV, SUSPECT_KEY
 from .settings import OperatorSettings
 
 __all__ = ["IncidentEngine"]
 
 log = logging.getLogger(__name__)
 _CONFLICT_RETRIES = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an action did: its result and message for ``status.actions``, and optionally a
+    condition ``(type, status, reason, message)`` and status fields to set with it."""
+
+    result: str
+    message: str
+    condition: tuple[str, str, str, str] | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, status: dict[str, Any], action: Action) -> dict[str, Any]:
+        at = now_iso()
+        status = incidents.record_action(status, action, self.result, self.message, at)
+        status.update(self.fields)
+        if self.condition is not None:
+            incidents.set_condition(status, *self.condition, at)
+        return status
 
 
 class IncidentEngine:
@@ -104,6 +124,52 @@ class IncidentEngine:
         await self._event(created, "Detected", report.message, True)
         return created
 
+    async def record_checkpoint(self, job: JobRef, report: CheckpointReport) -> bool:
+        """Remember a verified checkpoint on the job (a resume needs one old enough);
+        returns whether it was recorded."""
+        if not report.verified:
+            return False
+        plural = jobs.JOB_KINDS[(job.api_version, job.kind)]
+        current = await self.kube.get_object(job.api_version, plural, job.namespace, job.name)
+        patch = jobs.checkpoint_patch(current, report.step, report.location)
+        if patch is not None:
+            await self.kube.patch_object(job.api_version, plural, job.namespace, job.name, patch)
+        return True
+
+    async def record_resume(self, job: JobRef, report: ResumeReport) -> list[str]:
+        """The job's agents restarted from ``report.step``: mark each incident that was
+        waiting for it. Returns the incidents marked."""
+        marked = []
+        found = await self.kube.list_incidents(
+            job.namespace, label_selector=f"{GROUP}/job={job.name[:63]}"
+        )
+        for candidate in found:
+            if (candidate.get("spec") or {}).get("job", {}).get("uid") != job.uid:
+                continue
+            name = candidate["metadata"]["name"]
+            async with self._lock(job.namespace, name):
+                for _ in range(_CONFLICT_RETRIES):
+                    incident = await self.kube.get_incident(job.namespace, name)
+                    update = incidents.resumed_status(
+                        incident, report.step, report.location, now_iso()
+                    )
+                    if update is None:
+                        break
+                    incident["status"] = update
+                    try:
+                        incident = await self.kube.replace_incident_status(incident)
+                    except Exception as exc:
+                        if is_conflict(exc):
+                            continue
+                        raise
+                    marked.append(name)
+                    resumed = next(c for c in update["conditions"] if c["type"] == "Resumed")
+                    await self._event(
+                        incident, resumed["reason"], resumed["message"], resumed["status"] != "True"
+                    )
+                    break
+        return marked
+
     # -- containment -----------------------------------------------------------------------
 
     def schedule(self, namespace: str, name: str) -> None:
@@ -122,6 +188,7 @@ class IncidentEngine:
 
     async def reconcile(self, namespace: str, name: str) -> None:
         needed = self.settings.agreement_nodes
+        contained: tuple[str, str] | None = None  # (phase, message) when contained now
         async with self._lock(namespace, name):
             for _ in range(_CONFLICT_RETRIES):
                 try:
@@ -131,24 +198,28 @@ class IncidentEngine:
                         return
                     raise
                 try:
-                    while (action := incidents.next_action(incident, needed)) is not None:
-                        result, message = await self._take(incident, action)
-                        incident["status"] = incidents.record_action(
-                            incident["status"], action, result, message, now_iso()
+                    while True:
+                        action = incidents.next_action(incident, needed)
+                        if action is not None:
+                            outcome = await self._take(incident, action)
+                            incident["status"] = outcome.apply(incident["status"], action)
+                            incident = await self.kube.replace_incident_status(incident)
+                            self.metrics.actions.labels(action.action, outcome.result).inc()
+                            continue
+                        summary = incidents.containment_summary(
+                            incident, needed, self.settings.dry_run
                         )
+                        if summary is None:
+                            break
+                        phase, value, reason, message = summary
+                        status = dict(incident["status"])
+                        status["phase"] = phase
+                        incidents.set_condition(
+                            status, "Contained", value, reason, message, now_iso()
+                        )
+                        incident["status"] = status
                         incident = await self.kube.replace_incident_status(incident)
-                        self.metrics.actions.labels(action.action, result).inc()
-                    summary = incidents.containment_summary(incident, needed, self.settings.dry_run)
-                    if summary is None:
-                        return
-                    phase, contained, reason, message = summary
-                    status = dict(incident["status"])
-                    status["phase"] = phase
-                    incidents.set_condition(
-                        status, "Contained", contained, reason, message, now_iso()
-                    )
-                    incident["status"] = status
-                    incident = await self.kube.replace_incident_status(incident)
+                        contained = (phase, message)
                 except Exception as exc:
                     if is_conflict(exc):
                         continue
@@ -156,23 +227,31 @@ class IncidentEngine:
                 break
             else:
                 raise RuntimeError(f"incident {namespace}/{name}: too many write conflicts")
+        if contained is None:
+            return
+        phase, message = contained
         agreed = self._agreed_at.pop((namespace, name), None)
         if agreed is not None and phase == "Contained":
             self.metrics.report_to_contained.observe(time.monotonic() - agreed)
-        await self._event(incident, "Contained" if phase == "Contained" else phase, message, False)
+        await self._event(incident, phase, message, False)
         log.warning("incident %s/%s: %s", namespace, name, message)
 
-    async def _take(self, incident: dict[str, Any], action: Action) -> tuple[str, str]:
-        """Take one action (or, in dry-run, only say what it would be): (result, message)."""
+    async def _take(self, incident: dict[str, Any], action: Action) -> Outcome:
+        """Take one action (or, in dry-run, only say what it would be)."""
         if self.settings.dry_run:
-            return "DryRun", f"dry-run: would {action.action.replace('-', ' ')} {action.target}"
+            return Outcome(
+                "DryRun", f"dry-run: would {action.action.replace('-', ' ')} {action.target}"
+            )
         if action.action == "suspend-job":
-            return await self._suspend_job(incident)
+            return Outcome(*await self._suspend_job(incident))
         if action.action == "quarantine-node":
-            return await self._quarantine_node(incident, action.target)
+            return Outcome(*await self._quarantine_node(incident, action.target))
+        if action.action == "resume-job":
+            return await self._resume_job(incident)
         raise ValueError(f"unknown action {action.action!r}")
 
-    async def _suspend_job(self, incident: dict[str, Any]) -> tuple[str, str]:
+    async def _job(self, incident: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """The incident's job as it is now, or (None, why not)."""
         ref = incident["spec"]["job"]
         namespace = incident["metadata"]["namespace"]
         plural = jobs.JOB_KINDS[(ref["apiVersion"], ref["kind"])]
@@ -180,56 +259,134 @@ class IncidentEngine:
             job = await self.kube.get_object(ref["apiVersion"], plural, namespace, ref["name"])
         except Exception as exc:
             if is_not_found(exc):
-                return "Skipped", "the job no longer exists"
+                return None, "the job no longer exists"
             raise
         if job["metadata"].get("uid") != ref["uid"]:
-            return "Skipped", "the job was deleted and recreated since the report"
-        if jobs.is_kueue_managed(job):
-            done = await self._deactivate_workloads(job)
-            if done is not None:
-                await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
-                return "Succeeded", done
+            return None, "the job was deleted and recreated since the report"
+        return job, ""
+
+    async def _patch_job(self, job: dict[str, Any], patch: dict[str, Any]) -> None:
+        meta = job["metadata"]
+        plural = jobs.JOB_KINDS[(job["apiVersion"], job["kind"])]
+        await self.kube.patch_object(
+            job["apiVersion"], plural, meta["namespace"], meta["name"], patch
+        )
+
+    async def _resume_job(self, incident: dict[str, Any]) -> Outcome:
+        job, why = await self._job(incident)
+        if job is None:
+            return Outcome("Skipped", why, ("Resumed", "False", "JobGone", why))
+        last_clean = int(incident["spec"]["lastCleanStep"])
+        refusal = jobs.auto_resume_refusal(job)
+        if not self.settings.auto_resume:
+            refusal = ("AutoResumeOff", "automatic resume is off (HYPERPOD_SDC_AUTO_RESUME)")
+        checkpoint = jobs.newest_checkpoint(job, last_clean)
+        if refusal is None and checkpoint is None:
+            steps = [c["step"] for c in jobs.verified_checkpoints(job)]
+            refusal = (
+                "NoCleanCheckpoint",
+                f"no verified checkpoint at or before step {last_clean} was reported "
+                f"(verified checkpoints known: {steps or 'none'})",
+            )
+        patch = jobs.resume_env_patch(job, last_clean)
+        if patch is not None:  # the variable first, while the job is still suspended
+            await self._patch_job(job, patch)
+        if refusal is not None:
+            # The variable stays set: whoever restarts the job by hand restarts it from a
+            # clean checkpoint, or it fails loudly where none is old enough.
+            reason, why = refusal
+            message = (
+                f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean} set "
+                "so that a restart by hand starts from a clean checkpoint"
+            )
+            await self._event(job, "SDCJobNotResumed", message, True)
+            return Outcome("Skipped", message, ("Resumed", "False", reason, message))
+        assert checkpoint is not None
+        how = "lifted runPolicy.suspend"
+        reactivated = await self._activate_workloads(job) if jobs.is_kueue_managed(job) else None
+        if reactivated is not None:
+            how = reactivated
+        elif (patch := jobs.unsuspend_patch(job)) is not None:
+            await self._patch_job(job, patch)
+        message = (
+            f"set {RESUME_MAX_STEP_ENV}={last_clean} on every container and {how}; "
+            f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
+        )
+        await self._event(job, "SDCJobResumed", message, False)
+        return Outcome(
+            "Succeeded",
+            message,
+            (
+                "Resumed",
+                "Unknown",
+                "Restarting",
+                "waiting for the job's agents to report the step they resumed from",
+            ),
+            {"resumeCheckpoint": checkpoint},
+        )
+
+    async def _activate_workloads(self, job: dict[str, Any]) -> str | None:
+        owned = await self._workloads_of(job)
+        if not owned:
+            return None
+        for workload in owned:
+            patch = jobs.activate_workload_patch(workload)
+            if patch is not None:
+                await self.kube.patch_object(
+                    jobs.KUEUE_WORKLOAD_API,
+                    jobs.KUEUE_WORKLOAD_PLURAL,
+                    job["metadata"]["namespace"],
+                    workload["metadata"]["name"],
+                    patch,
+                )
+        names = ", ".join(w["metadata"]["name"] for w in owned)
+        return f"reactivated Kueue Workload {names} (spec.active=true)"
+
+    async def _suspend_job(self, incident: dict[str, Any]) -> tuple[str, str]:
+        job, why = await self._job(incident)
+        if job is None:
+            return "Skipped", why
+        if jobs.is_kueue_managed(job) and (owned := await self._workloads_of(job)):
+            for workload in owned:
+                patch = jobs.deactivate_workload_patch(workload)
+                if patch is not None:
+                    await self.kube.patch_object(
+                        jobs.KUEUE_WORKLOAD_API,
+                        jobs.KUEUE_WORKLOAD_PLURAL,
+                        job["metadata"]["namespace"],
+                        workload["metadata"]["name"],
+                        patch,
+                    )
+            names = ", ".join(w["metadata"]["name"] for w in owned)
+            done = f"deactivated Kueue Workload {names} (spec.active=false)"
+            await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
+            return "Succeeded", done
         patch = jobs.suspend_patch(job)
         if patch is None:
             return "Succeeded", "runPolicy.suspend was already true"
-        await self.kube.patch_object(ref["apiVersion"], plural, namespace, ref["name"], patch)
+        await self._patch_job(job, patch)
         message = (
             f"set runPolicy.suspend=true: suspected silent data corruption ({self._ref(incident)})"
         )
         await self._event(job, "SDCJobSuspended", message, True)
         return "Succeeded", "set runPolicy.suspend=true"
 
-    async def _deactivate_workloads(self, job: dict[str, Any]) -> str | None:
-        namespace = job["metadata"]["namespace"]
+    async def _workloads_of(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        """The Kueue Workloads the job owns; none where Kueue is not installed."""
         try:
             workloads = await self.kube.list_objects(
-                jobs.KUEUE_WORKLOAD_API, jobs.KUEUE_WORKLOAD_PLURAL, namespace
+                jobs.KUEUE_WORKLOAD_API, jobs.KUEUE_WORKLOAD_PLURAL, job["metadata"]["namespace"]
             )
         except Exception as exc:
-            if is_not_found(exc):  # Kueue is not installed
-                return None
+            if is_not_found(exc):
+                return []
             raise
         uid = job["metadata"]["uid"]
-        owned = [
+        return [
             w
             for w in workloads
             if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])
         ]
-        if not owned:
-            return None
-        names = []
-        for workload in owned:
-            patch = jobs.deactivate_workload_patch(workload)
-            if patch is not None:
-                await self.kube.patch_object(
-                    jobs.KUEUE_WORKLOAD_API,
-                    jobs.KUEUE_WORKLOAD_PLURAL,
-                    namespace,
-                    workload["metadata"]["name"],
-                    patch,
-                )
-            names.append(workload["metadata"]["name"])
-        return f"deactivated Kueue Workload {', '.join(names)} (spec.active=false)"
 
     async def _quarantine_node(self, incident: dict[str, Any], node_name: str) -> tuple[str, str]:
         try:

@@ -34,6 +34,8 @@ __all__ = [
     "incident_name",
     "new_incident",
     "next_action",
+    "post_containment_actions",
+    "resumed_status",
     "now_iso",
     "record_action",
     "set_condition",
@@ -43,8 +45,8 @@ NOT_HARDWARE = frozenset({"training", "nondeterministic"})
 """Classifications that never accuse hardware: recorded, no action taken."""
 # Phases in which a new report may still change suspects and phase.
 _OPEN_PHASES = frozenset({None, "WaitingForAgreement", "NotHardware"})
-# Phases that need nothing more from containment (issue 6 adds resume and remediation).
-SETTLED_PHASES = frozenset({"Contained", "NotHardware", "DryRun", "Released", "Remediated"})
+FINAL_RESULTS = frozenset({"Succeeded", "DryRun", "Skipped"})
+"""Results that end an action; ``Failed`` is retried."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,17 +257,36 @@ def done_actions(status: dict[str, Any]) -> set[Action]:
     return {
         Action(a["action"], a.get("target", ""))
         for a in status.get("actions") or []
-        if a.get("result") in ("Succeeded", "DryRun")
+        if a.get("result") in FINAL_RESULTS
     }
 
 
-def next_action(incident: dict[str, Any], needed: int) -> Action | None:
-    """The first planned containment action not yet recorded as done, or ``None``."""
+def post_containment_actions(incident: dict[str, Any]) -> list[Action]:
+    """After containment: restart the job (only where its suspect node was quarantined,
+    so the restarted pods cannot land there)."""
     status = incident.get("status") or {}
-    if status.get("phase") != "Detected":
+    contained: dict[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Contained"), {}
+    )
+    if contained.get("status") != "True" or contained.get("reason") != "NodeQuarantined":
+        return []
+    job = (incident.get("spec") or {}).get("job") or {}
+    namespace = (incident.get("metadata") or {}).get("namespace", "")
+    return [Action("resume-job", f"{job.get('kind')} {namespace}/{job.get('name')}")]
+
+
+def next_action(incident: dict[str, Any], needed: int) -> Action | None:
+    """The first planned action not yet recorded as done, or ``None``."""
+    status = incident.get("status") or {}
+    phase = status.get("phase")
+    if phase == "Detected":
+        planned = planned_actions(incident, needed)
+    elif phase in ("Contained", "Resumed"):
+        planned = post_containment_actions(incident)
+    else:
         return None
     done = done_actions(status)
-    return next((a for a in planned_actions(incident, needed) if a not in done), None)
+    return next((a for a in planned if a not in done), None)
 
 
 def record_action(
@@ -338,3 +359,38 @@ def set_condition(
 
 def _copy_status(status: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(status or {})
+
+
+def resumed_status(
+    incident: dict[str, Any], step: int, location: str | None, at: str
+) -> dict[str, Any] | None:
+    """The status once the job's agents report resuming from ``step``, or ``None`` when the
+    incident is not waiting for that (not restarted by the operator, or already marked)."""
+    status = _copy_status(incident.get("status") or {})
+    resumed = next((c for c in status.get("conditions") or [] if c.get("type") == "Resumed"), None)
+    if resumed is None or resumed.get("status") != "Unknown":
+        return None
+    last_clean = int((incident.get("spec") or {}).get("lastCleanStep", 0))
+    where = f" ({location})" if location else ""
+    status["resumedFromStep"] = step
+    if location:
+        status["resumedFrom"] = location
+    if step > last_clean:
+        message = (
+            f"the job resumed from step {step}{where}, after the last clean step {last_clean}: "
+            "its weights may carry the corruption; check how the training script picks its "
+            "checkpoint"
+        )
+        set_condition(status, "Resumed", "False", "ResumedPastWindow", message, at)
+        return status
+    set_condition(
+        status,
+        "Resumed",
+        "True",
+        "ResumedFromCheckpoint",
+        f"the job resumed from the checkpoint of step {step}{where}",
+        at,
+    )
+    if status.get("phase") == "Contained":
+        status["phase"] = "Resumed"
+    return status

@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sdc_agent.errors import ProtocolError
-from sdc_agent.protocol import VerdictReport, parse_report
+from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport, parse_report
 
 from . import jobs
 from .auth import Authenticator, PodIdentity
@@ -160,6 +160,14 @@ class Intake:
                 f"{self.settings.max_report_age_seconds:g} s",
             )
 
+        if isinstance(report, CheckpointReport):
+            recorded = await self.engine.record_checkpoint(ref, report)
+            self.metrics.reports.labels(report.kind, "").inc()
+            return 202, {"accepted": report.kind, "recorded": recorded}
+        if isinstance(report, ResumeReport):
+            marked = await self.engine.record_resume(ref, report)
+            self.metrics.reports.labels(report.kind, "").inc()
+            return 202, {"accepted": report.kind, "incidents": marked}
         if not isinstance(report, VerdictReport):
             self.metrics.reports.labels(report.kind, "").inc()
             return 202, {"accepted": report.kind}

@@ -2,15 +2,23 @@
 
 Works on the job as a plain dict (what the Kubernetes API returns). ``PyTorchJob``
 (``kubeflow.org/v1``) keeps its replicas in ``spec.pytorchReplicaSpecs``; HyperPod's
-``HyperPodPyTorchJob`` will be added next.
+``HyperPodPyTorchJob`` (``sagemaker.amazonaws.com/v1``) keeps them in the list
+``spec.replicaSpecs``; both have ``spec.runPolicy.suspend``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
-from .names import ENABLED_ANNOTATION, RESUME_MAX_STEP_ENV
+from .names import (
+    AUTO_RESUME_ANNOTATION,
+    CHECKPOINTS_ANNOTATION,
+    ENABLED_ANNOTATION,
+    HYPERPOD_AUTO_RESUME_ANNOTATION,
+    RESUME_MAX_STEP_ENV,
+)
 
 __all__ = [
     "JOB_KINDS",
@@ -20,8 +28,15 @@ __all__ = [
     "is_kueue_managed",
     "is_suspended",
     "job_owner",
-    "resume_patch",
+    "activate_workload_patch",
+    "auto_resume_refusal",
+    "checkpoint_patch",
+    "newest_checkpoint",
+    "resume_env_patch",
+    "resume_env_set",
     "suspend_patch",
+    "unsuspend_patch",
+    "verified_checkpoints",
 ]
 
 REPLICA_SPECS = "pytorchReplicaSpecs"
@@ -33,6 +48,7 @@ JOB_KINDS: dict[tuple[str, str], str] = {
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_WORKLOAD_API = "kueue.x-k8s.io/v1beta1"
 KUEUE_WORKLOAD_PLURAL = "workloads"
+MAX_CHECKPOINTS = 16
 
 
 def job_owner(pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -74,25 +90,119 @@ def suspend_patch(job: dict[str, Any]) -> dict[str, Any] | None:
     return {"spec": {"runPolicy": {"suspend": True}}}
 
 
-def resume_patch(job: dict[str, Any], max_step: int) -> dict[str, Any]:
-    """Merge patch that sets ``HYPERPOD_SDC_RESUME_MAX_STEP=max_step`` on every container
-    of every replica template and lifts the suspension.
+def _with_resume_env(containers: list[dict[str, Any]], max_step: int) -> list[dict[str, Any]]:
+    out = []
+    for container in containers:
+        c = copy.deepcopy(container)
+        env = [e for e in c.get("env") or [] if e.get("name") != RESUME_MAX_STEP_ENV]
+        env.append({"name": RESUME_MAX_STEP_ENV, "value": str(max_step)})
+        c["env"] = env
+        out.append(c)
+    return out
 
-    A merge patch replaces lists whole, so each replica's containers are sent complete,
-    with the variable set (replaced where it was already there).
+
+def _templates(job: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = job.get("spec") or {}
+    if REPLICA_SPECS in spec:
+        replicas = list((spec.get(REPLICA_SPECS) or {}).values())
+    else:  # HyperPodPyTorchJob: a list of named replica specs
+        replicas = list(spec.get("replicaSpecs") or [])
+    return [((r or {}).get("template") or {}).get("spec") or {} for r in replicas]
+
+
+def resume_env_set(job: dict[str, Any], max_step: int) -> bool:
+    """Every container of every replica template has ``HYPERPOD_SDC_RESUME_MAX_STEP``."""
+    want = {"name": RESUME_MAX_STEP_ENV, "value": str(max_step)}
+    return all(
+        want in (c.get("env") or []) for t in _templates(job) for c in t.get("containers") or []
+    )
+
+
+def resume_env_patch(job: dict[str, Any], max_step: int) -> dict[str, Any] | None:
+    """Merge patch that sets ``HYPERPOD_SDC_RESUME_MAX_STEP=max_step`` on every container of
+    every replica template (replacing an older value), or ``None`` if it is set already.
+
+    A merge patch replaces lists whole: a ``PyTorchJob``'s replicas are a map, so each
+    replica's containers are sent complete; a ``HyperPodPyTorchJob``'s replicas are a list,
+    so the whole list is sent, each replica as it was but for the variable.
     """
     if not isinstance(max_step, int) or isinstance(max_step, bool) or max_step < 0:
         raise ValueError(f"max_step: must be an integer >= 0, got {max_step!r}")
-    replicas = (job.get("spec") or {}).get(REPLICA_SPECS) or {}
-    patched: dict[str, Any] = {}
-    for name, replica in replicas.items():
-        pod_spec = ((replica or {}).get("template") or {}).get("spec") or {}
-        containers = []
-        for container in pod_spec.get("containers") or []:
-            c = copy.deepcopy(container)
-            env = [e for e in c.get("env") or [] if e.get("name") != RESUME_MAX_STEP_ENV]
-            env.append({"name": RESUME_MAX_STEP_ENV, "value": str(max_step)})
-            c["env"] = env
-            containers.append(c)
-        patched[name] = {"template": {"spec": {"containers": containers}}}
-    return {"spec": {"runPolicy": {"suspend": False}, REPLICA_SPECS: patched}}
+    if resume_env_set(job, max_step):
+        return None
+    spec = job.get("spec") or {}
+    if REPLICA_SPECS in spec:
+        patched: dict[str, Any] = {}
+        for name, replica in (spec.get(REPLICA_SPECS) or {}).items():
+            pod_spec = ((replica or {}).get("template") or {}).get("spec") or {}
+            containers = _with_resume_env(pod_spec.get("containers") or [], max_step)
+            patched[name] = {"template": {"spec": {"containers": containers}}}
+        return {"spec": {REPLICA_SPECS: patched}}
+    replicas = copy.deepcopy(spec.get("replicaSpecs") or [])
+    for replica in replicas:
+        pod_spec = replica.setdefault("template", {}).setdefault("spec", {})
+        pod_spec["containers"] = _with_resume_env(pod_spec.get("containers") or [], max_step)
+    return {"spec": {"replicaSpecs": replicas}}
+
+
+def unsuspend_patch(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Merge patch that lifts ``runPolicy.suspend``, or ``None`` if the job is not suspended."""
+    if not is_suspended(job):
+        return None
+    return {"spec": {"runPolicy": {"suspend": False}}}
+
+
+def activate_workload_patch(workload: dict[str, Any]) -> dict[str, Any] | None:
+    if (workload.get("spec") or {}).get("active") is not False:
+        return None
+    return {"spec": {"active": True}}
+
+
+def auto_resume_refusal(job: dict[str, Any]) -> tuple[str, str] | None:
+    """Why the operator must not restart this job itself, as (reason, message), or ``None``."""
+    annotations = (job.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(AUTO_RESUME_ANNOTATION) == "false":
+        return "OptedOut", f'the job carries {AUTO_RESUME_ANNOTATION}: "false"'
+    if annotations.get(HYPERPOD_AUTO_RESUME_ANNOTATION) == "true":
+        return (
+            "HyperPodAutoResume",
+            f"the job has HyperPod's job auto-resume ({HYPERPOD_AUTO_RESUME_ANNOTATION}); "
+            "hyperpod-sdc does not restart it, so two controllers never restart one job",
+        )
+    return None
+
+
+def verified_checkpoints(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The verified checkpoints the job's agents reported, oldest first (annotation
+    ``hyperpod-sdc.dev/checkpoints``; a damaged value reads as none)."""
+    raw = ((job.get("metadata") or {}).get("annotations") or {}).get(CHECKPOINTS_ANNOTATION)
+    try:
+        found = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    if not isinstance(found, list):
+        return []
+    good = [
+        c
+        for c in found
+        if isinstance(c, dict)
+        and isinstance(c.get("step"), int)
+        and isinstance(c.get("location"), str)
+    ]
+    return sorted(good, key=lambda c: c["step"])
+
+
+def checkpoint_patch(job: dict[str, Any], step: int, location: str) -> dict[str, Any] | None:
+    """Merge patch that records a verified checkpoint (the newest 16 are kept), or ``None``
+    if it is recorded already."""
+    known = verified_checkpoints(job)
+    if any(c["step"] == step and c["location"] == location for c in known):
+        return None
+    known = [c for c in known if c["step"] != step] + [{"step": step, "location": location}]
+    known = sorted(known, key=lambda c: c["step"])[-MAX_CHECKPOINTS:]
+    return {"metadata": {"annotations": {CHECKPOINTS_ANNOTATION: json.dumps(known)}}}
+
+
+def newest_checkpoint(job: dict[str, Any], max_step: int) -> dict[str, Any] | None:
+    """The newest verified checkpoint at or before ``max_step``, or ``None``."""
+    return next((c for c in reversed(verified_checkpoints(job)) if c["step"] <= max_step), None)

@@ -112,14 +112,29 @@ class Kube:
         )
 
     async def list_objects(
-        self, api_version: str, plural: str, namespace: str | None = None
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        label_selector: str = "",
     ) -> list[dict[str, Any]]:
         group, version = _split(api_version)
         if namespace is None:
-            found = await self._raw(self.custom.list_cluster_custom_object, group, version, plural)
+            found = await self._raw(
+                self.custom.list_cluster_custom_object,
+                group,
+                version,
+                plural,
+                label_selector=label_selector,
+            )
         else:
             found = await self._raw(
-                self.custom.list_namespaced_custom_object, group, version, namespace, plural
+                self.custom.list_namespaced_custom_object,
+                group,
+                version,
+                namespace,
+                plural,
+                label_selector=label_selector,
             )
         return list(found.get("items") or [])
 
@@ -141,8 +156,12 @@ class Kube:
     async def get_incident(self, namespace: str, name: str) -> dict[str, Any]:
         return await self.get_object(f"{GROUP}/{VERSION}", INCIDENT_PLURAL, namespace, name)
 
-    async def list_incidents(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        return await self.list_objects(f"{GROUP}/{VERSION}", INCIDENT_PLURAL, namespace)
+    async def list_incidents(
+        self, namespace: str | None = None, label_selector: str = ""
+    ) -> list[dict[str, Any]]:
+        return await self.list_objects(
+            f"{GROUP}/{VERSION}", INCIDENT_PLURAL, namespace, label_selector
+        )
 
     async def create_incident(self, body: dict[str, Any]) -> dict[str, Any]:
         namespace = body["metadata"]["namespace"]

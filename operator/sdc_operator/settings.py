@@ -55,6 +55,9 @@ class OperatorSettings:
     quarantined. 1 lets a single node's report quarantine (not recommended)."""
     dry_run: bool = False
     """Record incidents and the actions that would be taken; take none."""
+    auto_resume: bool = True
+    """Restart a contained job from its last clean checkpoint once its suspect node is
+    quarantined. A job opts out with ``hyperpod-sdc.dev/auto-resume: "false"``."""
     cluster_name: str | None = None
     """HyperPod cluster name for ``ListClusterNodes``, where a node has no
     ``sagemaker.amazonaws.com/cluster-name`` label."""

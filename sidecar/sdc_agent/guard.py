@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .audit import AuditOutcome, ReplayAudit, ReplayStats
+from .checkpoint import mark_checkpoint
 from .config import GuardConfig
 from .errors import ConfigError, OperatorUnreachableError, ProtocolError, SDCError
 from .faults import FaultInjector, FaultSpec, corrupt_
@@ -26,6 +28,7 @@ from .protocol import (
     MAX_SUSPECTS,
     HeartbeatReport,
     ReporterIdentity,
+    ResumeReport,
     Suspect,
     VerdictReport,
     encode_report,
@@ -393,8 +396,12 @@ class Guard:
         loss_value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else loss
         return StepResult(step=step, loss=loss_value, applied=applied, verdicts=tuple(verdicts))
 
-    def restore(self, step: int) -> None:
-        """The job reloaded a checkpoint of ``step``: count from there, weights trusted."""
+    def restore(self, step: int, location: str | None = None) -> None:
+        """The job reloaded a checkpoint of ``step``: count from there, weights trusted.
+
+        With a reporter, tells the operator (a ``resume`` report, with the checkpoint's
+        ``location`` if given): that is how an incident learns its job is running again.
+        """
         if self._in_step:
             raise SDCError("restore called during a step")
         self.step_count = step
@@ -402,6 +409,25 @@ class Guard:
         self.weights_diverged = False
         self._reported_weight_suspects = ()
         self._verified = {"weights": step, "replay": step}
+        if self.reporter is not None:
+            self.reporter.submit(
+                ResumeReport(
+                    reporter=self._identity, sent_at=time.time(), step=step, location=location
+                )
+            )
+
+    def mark_checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> bool:
+        """Record the checkpoint just written at ``path`` for ``step`` (default: the current
+        step): verified when every check vouched for it. Writes the marker
+        :func:`~sdc_agent.checkpoint.select_checkpoint` reads and, on a reporting rank,
+        tells the operator, which resumes a job only if it knows a verified checkpoint old
+        enough. Call it on the rank that wrote the checkpoint; returns ``verified``."""
+        step = self.step_count if step is None else step
+        verified = step <= self.last_clean_step
+        mark_checkpoint(
+            path, step, verified=verified, reporter=self.reporter, identity=self._identity
+        )
+        return verified
 
     @property
     def _replay_verifies(self) -> bool:

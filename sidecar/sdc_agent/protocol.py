@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointReport",
     "HeartbeatReport",
     "ReporterIdentity",
+    "ResumeReport",
     "Suspect",
     "VerdictReport",
     "encode_report",
@@ -48,7 +49,7 @@ MAX_REPORT_BYTES = 64 * 1024
 """Largest accepted report; the agent trims evidence to fit."""
 CHECKS = ("nonfinite", "replay", "weights")
 CLASSIFICATIONS = ("rank", "collective", "training", "replica", "nondeterministic")
-KINDS = ("verdict", "heartbeat", "checkpoint")
+KINDS = ("verdict", "heartbeat", "checkpoint", "resume")
 MAX_MESSAGE = 4096
 _MAX_TEXT = MAX_MESSAGE
 _MAX_NAME = 253  # a Kubernetes object name
@@ -121,7 +122,21 @@ class CheckpointReport:
     version: int = PROTOCOL_VERSION
 
 
-Report = VerdictReport | HeartbeatReport | CheckpointReport
+@dataclass(frozen=True, slots=True)
+class ResumeReport:
+    """The job restarted from the checkpoint of ``step`` (sent by ``Guard.restore``); the
+    operator marks the incident that stopped the job as resumed."""
+
+    reporter: ReporterIdentity
+    sent_at: float
+    step: int
+    location: str | None = None
+    """The checkpoint it loaded, where the training script says."""
+    kind: str = "resume"
+    version: int = PROTOCOL_VERSION
+
+
+Report = VerdictReport | HeartbeatReport | CheckpointReport | ResumeReport
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -243,6 +258,7 @@ _FIELDS = {
     ),
     "heartbeat": ({"step", "last_clean_step"}, {"check_seconds"}),
     "checkpoint": ({"step", "location", "verified"}, set()),
+    "resume": ({"step"}, {"location"}),
 }
 
 
@@ -300,6 +316,13 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
             step=step,
             last_clean_step=_clean_step(d["last_clean_step"], step),
             check_seconds={k: _num(v, f"check_seconds.{k}") for k, v in seconds.items()},
+        )
+    if kind == "resume":
+        return ResumeReport(
+            reporter=reporter,
+            sent_at=sent_at,
+            step=_int(d["step"], "step"),
+            location=_str(d.get("location"), "location", limit=_MAX_TEXT, nullable=True),
         )
     if kind == "checkpoint":
         return CheckpointReport(
@@ -475,6 +498,18 @@ def report_schema() -> dict[str, Any]:
                 "checkpoint",
                 ["step", "location", "verified"],
                 {"step": count, "location": text, "verified": {"type": "boolean"}},
+            ),
+            kind(
+                "resume",
+                ["step"],
+                {
+                    "step": count,
+                    "location": {
+                        "type": ["string", "null"],
+                        "minLength": 1,
+                        "maxLength": _MAX_TEXT,
+                    },
+                },
             ),
         ],
     }

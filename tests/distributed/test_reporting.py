@@ -86,3 +86,62 @@ def test_continue_policy_trains_on() -> None:
     (ranks,) = run_drill(NODES[:3], [Drill(steps=30, config=CONFIG)], env=env)
     assert all(r.stopped is None for r in ranks)
     assert len(ranks[0].applied) == 30
+
+
+def _restore_and_mark(rank: int, world: int, root: str) -> tuple[bool, bool]:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sdc_agent import Guard, GuardConfig
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(4, 2))
+    guard = Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        config=GuardConfig(fingerprint_backend="eager"),
+    )
+    guard.restore(20, location=f"{root}/step_20.pt")
+    results = (False, False)
+    if rank == 0:
+        for step in (20, 21):
+            (Path(root) / f"step_{step}.pt").write_bytes(b"weights")
+        results = (
+            guard.mark_checkpoint(Path(root) / "step_20.pt"),  # the current step
+            guard.mark_checkpoint(Path(root) / "step_21.pt", 21),
+        )
+    guard.close()
+    return results
+
+
+def test_restore_and_mark_checkpoint_tell_the_operator(tmp_path: Path) -> None:
+    from sdc_agent.launch import spawn_local
+    from sdc_agent.protocol import CheckpointReport, ResumeReport
+
+    port = free_port()
+    operator = Operator(port)
+    try:
+        results = spawn_local(
+            _restore_and_mark,
+            ["n0", "n0", "n1"],
+            (str(tmp_path),),
+            env={
+                "HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{port}",
+                "HYPERPOD_SDC_TOKEN_FILE": "",
+            },
+        )
+    finally:
+        operator.stop()
+    assert results[0] == (True, False)  # step 20 is the restored, trusted step; 21 is not yet
+    resumes = sorted(
+        (r.reporter.node, r.step, r.location)
+        for _, r in operator.received
+        if isinstance(r, ResumeReport)
+    )
+    assert resumes == [("n0", 20, f"{tmp_path}/step_20.pt"), ("n1", 20, f"{tmp_path}/step_20.pt")]
+    checkpoints = sorted(
+        (r.step, r.verified) for _, r in operator.received if isinstance(r, CheckpointReport)
+    )
+    assert checkpoints == [(20, True), (21, False)]
+    assert (tmp_path / "step_20.pt.sdc.json").exists()

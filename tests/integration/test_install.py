@@ -16,7 +16,7 @@ from kubernetes import client
 from tests.chart.test_chart import ALL_ON, render
 
 from .cluster import ROOT, Cluster, OperatorProcess
-from .test_containment import incident_in, make_job, send, verdict
+from .test_containment import NOT_RESUMED, incident_in, make_job, send, verdict
 
 
 def install(cluster: Cluster, values: dict[str, Any], tmp_path: Path) -> tuple[str, str]:
@@ -146,6 +146,7 @@ def test_operator_runs_under_the_charts_service_account(
     assert [(a["action"], a["result"]) for a in incident["status"]["actions"]] == [
         ("suspend-job", "Succeeded"),
         ("quarantine-node", "Succeeded"),
+        NOT_RESUMED,
     ]
     assert "Forbidden" not in op.log()
 

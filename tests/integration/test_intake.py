@@ -208,6 +208,7 @@ def test_duplicates_fold_into_one_incident(
     assert actions == [
         ("suspend-job", f"PyTorchJob {namespace}/train"),
         ("quarantine-node", job.node_name(1)),
+        ("resume-job", f"PyTorchJob {namespace}/train"),
     ]
 
 

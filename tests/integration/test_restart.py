@@ -9,7 +9,7 @@ from sdc_operator import incidents, nodes
 from sdc_operator.incidents import Action, JobRef, ResolvedSuspect
 
 from .cluster import Cluster, OperatorProcess
-from .test_containment import Job, incident_in, make_job, send, verdict
+from .test_containment import NOT_RESUMED, Job, incident_in, make_job, send, verdict
 
 AT = "2026-11-29T00:00:00Z"
 
@@ -68,14 +68,15 @@ def test_restart_after_the_job_was_stopped(
     job = make_job(cluster, namespace)
     suspend(cluster, job)
     stage(cluster, job, [Action("suspend-job", f"PyTorchJob {namespace}/{job.name}")])
-    job_version = cluster.get_job(namespace, job.name)["metadata"]["resourceVersion"]
     start_operator()
     incident = incident_in(cluster, namespace, "Contained")
     assert [a["action"] for a in incident["status"]["actions"]] == [
         "suspend-job",
         "quarantine-node",
+        "resume-job",
     ]
-    assert cluster.get_job(namespace, job.name)["metadata"]["resourceVersion"] == job_version
+    assert incident["status"]["actions"][0]["message"] == "done before the crash"
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
     assert cluster.get_node(job.node_name(1))["spec"]["unschedulable"] is True
 
 
@@ -89,22 +90,17 @@ def test_restart_after_actions_taken_but_not_recorded(
     node = cluster.get_node(job.node_name(1))
     patch = nodes.quarantine_patch(node, f"{namespace}/{incident['metadata']['name']}")
     cluster.core.patch_node(job.node_name(1), patch, _content_type="application/merge-patch+json")
-    versions = (
-        cluster.get_job(namespace, job.name)["metadata"]["resourceVersion"],
-        cluster.get_node(job.node_name(1))["metadata"]["resourceVersion"],
-    )
+    node_version = cluster.get_node(job.node_name(1))["metadata"]["resourceVersion"]
     start_operator()
     incident = incident_in(cluster, namespace, "Contained")
     actions = incident["status"]["actions"]
     assert [(a["action"], a["result"]) for a in actions] == [
         ("suspend-job", "Succeeded"),
         ("quarantine-node", "Succeeded"),
+        NOT_RESUMED,
     ]
     assert "already" in actions[0]["message"] and "already" in actions[1]["message"]
-    assert versions == (
-        cluster.get_job(namespace, job.name)["metadata"]["resourceVersion"],
-        cluster.get_node(job.node_name(1))["metadata"]["resourceVersion"],
-    )
+    assert cluster.get_node(job.node_name(1))["metadata"]["resourceVersion"] == node_version
 
 
 def test_killed_mid_incident_completes_once(
@@ -120,5 +116,6 @@ def test_killed_mid_incident_completes_once(
     assert [a["action"] for a in incident["status"]["actions"]] == [
         "suspend-job",
         "quarantine-node",
+        "resume-job",
     ]
     assert len(cluster.incidents(namespace)) == 1

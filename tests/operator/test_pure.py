@@ -7,7 +7,17 @@ from typing import Any
 
 import pytest
 
-from sdc_operator.jobs import is_enabled, resume_patch, suspend_patch
+from sdc_operator.jobs import (
+    auto_resume_refusal,
+    checkpoint_patch,
+    is_enabled,
+    newest_checkpoint,
+    resume_env_patch,
+    resume_env_set,
+    suspend_patch,
+    unsuspend_patch,
+    verified_checkpoints,
+)
 from sdc_operator.nodes import (
     instance_id_from_node_name,
     instance_id_from_provider_id,
@@ -133,7 +143,13 @@ def test_suspend_then_resume_from_the_clean_step() -> None:
     assert patch is not None
     suspended = apply(JOB, patch)
     assert suspend_patch(suspended) is None
-    resumed = apply(suspended, resume_patch(suspended, 1150))
+    assert unsuspend_patch(JOB) is None
+    env_patch = resume_env_patch(suspended, 1150)
+    assert env_patch is not None and "runPolicy" not in env_patch["spec"]  # env first
+    with_env = apply(suspended, env_patch)
+    assert with_env["spec"]["runPolicy"]["suspend"] is True
+    assert resume_env_set(with_env, 1150) and resume_env_patch(with_env, 1150) is None
+    resumed = apply(with_env, unsuspend_patch(with_env) or {})
     assert resumed["spec"]["runPolicy"]["suspend"] is False
     for replica in resumed["spec"]["pytorchReplicaSpecs"].values():
         for container in replica["template"]["spec"]["containers"]:
@@ -143,7 +159,80 @@ def test_suspend_then_resume_from_the_clean_step() -> None:
     worker = resumed["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert {"name": "A", "value": "1"} in worker["env"]
     with pytest.raises(ValueError, match="^max_step:"):
-        resume_patch(JOB, -1)
+        resume_env_patch(JOB, -1)
+
+
+HYPERPOD_JOB: dict[str, Any] = {
+    "metadata": {"annotations": {"hyperpod-sdc.dev/enabled": "true"}},
+    "spec": {
+        "runPolicy": {"suspend": True, "jobMaxRetryCount": 0},
+        "replicaSpecs": [
+            {
+                "name": "pods",
+                "replicas": 3,
+                "spares": 1,
+                "template": {"spec": {"containers": [{"name": "t", "image": "i"}]}},
+            },
+            {
+                "name": "aux",
+                "replicas": 1,
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {"name": "a", "image": "j", "env": [{"name": "B", "value": "2"}]}
+                        ]
+                    }
+                },
+            },
+        ],
+    },
+}
+
+
+def test_resume_a_hyperpod_job_keeps_its_replica_list_whole() -> None:
+    patch = resume_env_patch(HYPERPOD_JOB, 40)
+    assert patch is not None
+    resumed = apply(HYPERPOD_JOB, patch)
+    replicas = resumed["spec"]["replicaSpecs"]
+    assert [(r["name"], r["replicas"], r.get("spares")) for r in replicas] == [
+        ("pods", 3, 1),
+        ("aux", 1, None),
+    ]
+    assert replicas[1]["template"]["spec"]["containers"][0]["env"] == [
+        {"name": "B", "value": "2"},
+        {"name": "HYPERPOD_SDC_RESUME_MAX_STEP", "value": "40"},
+    ]
+    assert resume_env_set(resumed, 40) and not resume_env_set(resumed, 41)
+    assert apply(resumed, unsuspend_patch(resumed) or {})["spec"]["runPolicy"] == {
+        "suspend": False,
+        "jobMaxRetryCount": 0,
+    }
+
+
+def test_verified_checkpoints_are_recorded_on_the_job() -> None:
+    job: dict[str, Any] = {"metadata": {"annotations": {}}}
+    for step in (50, 100, 150):
+        job = apply(job, checkpoint_patch(job, step, f"/fsx/step_{step}") or {})
+    assert checkpoint_patch(job, 100, "/fsx/step_100") is None  # idempotent
+    assert newest_checkpoint(job, 149) == {"step": 100, "location": "/fsx/step_100"}
+    assert newest_checkpoint(job, 49) is None
+    for step in range(200, 2000, 50):
+        job = apply(job, checkpoint_patch(job, step, f"/fsx/step_{step}") or {})
+    assert len(verified_checkpoints(job)) == 16
+    damaged = {"metadata": {"annotations": {"hyperpod-sdc.dev/checkpoints": "{not json"}}}
+    assert verified_checkpoints(damaged) == []
+
+
+def test_auto_resume_refusals() -> None:
+    assert auto_resume_refusal(JOB) is None
+    off = {"metadata": {"annotations": {"hyperpod-sdc.dev/auto-resume": "false"}}}
+    assert auto_resume_refusal(off) == (
+        "OptedOut",
+        'the job carries hyperpod-sdc.dev/auto-resume: "false"',
+    )
+    hp = {"metadata": {"annotations": {"sagemaker.amazonaws.com/enable-job-auto-resume": "true"}}}
+    reason = auto_resume_refusal(hp)
+    assert reason is not None and reason[0] == "HyperPodAutoResume"
 
 
 def test_the_operator_never_imports_torch() -> None:

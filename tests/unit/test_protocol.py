@@ -17,6 +17,7 @@ from sdc_agent.protocol import (
     MAX_REPORT_BYTES,
     CheckpointReport,
     HeartbeatReport,
+    ResumeReport,
     VerdictReport,
     encode_report,
     parse_report,
@@ -67,8 +68,21 @@ CHECKPOINT: dict[str, Any] = {
     "location": "/fsx/ckpt/step_1250",
     "verified": True,
 }
-EXAMPLES = {"verdict": VERDICT, "heartbeat": HEARTBEAT, "checkpoint": CHECKPOINT}
-TYPES = {"verdict": VerdictReport, "heartbeat": HeartbeatReport, "checkpoint": CheckpointReport}
+RESUME: dict[str, Any] = {
+    "version": 1,
+    "kind": "resume",
+    "sent_at": 1764400000.0,
+    "reporter": REPORTER,
+    "step": 1250,
+    "location": "/fsx/ckpt/step_1250",
+}
+EXAMPLES = {"verdict": VERDICT, "heartbeat": HEARTBEAT, "checkpoint": CHECKPOINT, "resume": RESUME}
+TYPES = {
+    "verdict": VerdictReport,
+    "heartbeat": HeartbeatReport,
+    "checkpoint": CheckpointReport,
+    "resume": ResumeReport,
+}
 
 
 @pytest.mark.parametrize("kind", sorted(EXAMPLES))
