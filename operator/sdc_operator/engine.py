@@ -22,7 +22,15 @@ from . import incidents, jobs, nodes
 from .incidents import Action, JobRef, ResolvedSuspect, now_iso
 from .kube import Kube, is_conflict, is_not_found
 from .metrics import Metrics
-from .names import GROUP, RESUME_MAX_STEP_ENV, SUSPECT_KEY
+from .names import (
+    GROUP,
+    HYPERPOD_CLUSTER_LABEL,
+    HYPERPOD_HEALTH_LABEL,
+    INCIDENT_ANNOTATION,
+    RESUME_MAX_STEP_ENV,
+    SUSPECT_KEY,
+)
+from .remediate import HyperPodNodes
 from .settings import OperatorSettings
 
 __all__ = ["IncidentEngine"]
@@ -40,10 +48,12 @@ class Outcome:
     message: str
     condition: tuple[str, str, str, str] | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    """Why an action was skipped, for the containment summary (``CapReached``)."""
 
     def apply(self, status: dict[str, Any], action: Action) -> dict[str, Any]:
         at = now_iso()
-        status = incidents.record_action(status, action, self.result, self.message, at)
+        status = incidents.record_action(status, action, self.result, self.message, at, self.reason)
         status.update(self.fields)
         if self.condition is not None:
             incidents.set_condition(status, *self.condition, at)
@@ -51,10 +61,18 @@ class Outcome:
 
 
 class IncidentEngine:
-    def __init__(self, kube: Kube, settings: OperatorSettings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        settings: OperatorSettings,
+        metrics: Metrics,
+        hyperpod: HyperPodNodes | None = None,
+    ) -> None:
         self.kube = kube
         self.settings = settings
+        self.rules = incidents.Rules.of(settings)
         self.metrics = metrics
+        self.hyperpod = hyperpod
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._agreed_at: dict[tuple[str, str], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -187,7 +205,7 @@ class IncidentEngine:
             )
 
     async def reconcile(self, namespace: str, name: str) -> None:
-        needed = self.settings.agreement_nodes
+        rules = self.rules
         contained: tuple[str, str] | None = None  # (phase, message) when contained now
         async with self._lock(namespace, name):
             for _ in range(_CONFLICT_RETRIES):
@@ -199,16 +217,14 @@ class IncidentEngine:
                     raise
                 try:
                     while True:
-                        action = incidents.next_action(incident, needed)
+                        action = incidents.next_action(incident, rules)
                         if action is not None:
                             outcome = await self._take(incident, action)
                             incident["status"] = outcome.apply(incident["status"], action)
                             incident = await self.kube.replace_incident_status(incident)
                             self.metrics.actions.labels(action.action, outcome.result).inc()
                             continue
-                        summary = incidents.containment_summary(
-                            incident, needed, self.settings.dry_run
-                        )
+                        summary = incidents.containment_summary(incident, rules)
                         if summary is None:
                             break
                         phase, value, reason, message = summary
@@ -245,9 +261,13 @@ class IncidentEngine:
         if action.action == "suspend-job":
             return Outcome(*await self._suspend_job(incident))
         if action.action == "quarantine-node":
-            return Outcome(*await self._quarantine_node(incident, action.target))
+            return await self._quarantine_node(incident, action.target)
         if action.action == "resume-job":
             return await self._resume_job(incident)
+        if action.action in ("reboot-node", "replace-node"):
+            return await self._remediate(incident, action)
+        if action.action == "release-node":
+            return await self._release(incident, action.target)
         raise ValueError(f"unknown action {action.action!r}")
 
     async def _job(self, incident: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -388,25 +408,145 @@ class IncidentEngine:
             if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])
         ]
 
-    async def _quarantine_node(self, incident: dict[str, Any], node_name: str) -> tuple[str, str]:
+    async def _quarantine_node(self, incident: dict[str, Any], node_name: str) -> Outcome:
         try:
             node = await self.kube.get_node(node_name)
         except Exception as exc:
             if is_not_found(exc):
-                return "Skipped", f"node {node_name} no longer exists"
+                return Outcome("Skipped", f"node {node_name} no longer exists", reason="NodeGone")
             raise
         ref = self._ref(incident)
         patch = nodes.quarantine_patch(node, ref)
         if patch is None:
-            return "Succeeded", "already cordoned, tainted, labelled and annotated"
+            return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
+        refusal = await self._over_cap(incident, node_name)
+        if refusal is not None:
+            await self._event(incident, "SDCQuarantineCapReached", refusal, True)
+            return Outcome("Skipped", refusal, reason="CapReached")
         await self.kube.patch_node(node_name, patch)
         await self.refresh_quarantined()
         message = (
             f"cordoned; taint {SUSPECT_KEY}=true:NoSchedule, label {SUSPECT_KEY}=true and "
             f"annotation for incident {ref}"
         )
-        await self._event(node, "SDCNodeQuarantined", f"{message}", True)
-        return "Succeeded", message
+        await self._event(node, "SDCNodeQuarantined", message, True)
+        return Outcome("Succeeded", message)
+
+    async def _over_cap(self, incident: dict[str, Any], node_name: str) -> str | None:
+        """Why quarantining one more node would break a cap, or ``None``."""
+        quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
+        total = len(await self.kube.list_nodes())
+        cap = self.settings.quarantine_cap(total)
+        if len(quarantined) + 1 > cap:
+            return (
+                f"not quarantining {node_name}: {len(quarantined)} of {total} nodes are "
+                f"quarantined already, the cluster-wide cap is {cap} "
+                f"(HYPERPOD_SDC_MAX_QUARANTINED_NODES={self.settings.max_quarantined_nodes}); "
+                "a person must review"
+            )
+        job = incident["spec"]["job"]
+        namespace = incident["metadata"]["namespace"]
+        of_job = {
+            f"{namespace}/{i['metadata']['name']}"
+            for i in await self.kube.list_incidents(
+                namespace, label_selector=f"{GROUP}/job={job['name'][:63]}"
+            )
+            if (i.get("spec") or {}).get("job", {}).get("uid") == job["uid"]
+        }
+        mine = [
+            n
+            for n in quarantined
+            if ((n["metadata"].get("annotations") or {}).get(INCIDENT_ANNOTATION)) in of_job
+        ]
+        if len(mine) + 1 > self.settings.max_quarantined_per_job:
+            return (
+                f"not quarantining {node_name}: job {namespace}/{job['name']} has "
+                f"{len(mine)} quarantined node(s), the cap per job is "
+                f"{self.settings.max_quarantined_per_job} (HYPERPOD_SDC_MAX_QUARANTINED_PER_JOB)"
+            )
+        return None
+
+    async def _remediate(self, incident: dict[str, Any], action: Action) -> Outcome:
+        kind = action.action.removesuffix("-node")  # reboot or replace
+        node_name = action.target
+        try:
+            node = await self.kube.get_node(node_name)
+        except Exception as exc:
+            if is_not_found(exc):  # replaced already, or gone: nothing left to do
+                message = f"node {node_name} no longer exists"
+                return Outcome("Skipped", message, ("Remediated", "True", "NodeGone", message))
+            raise
+        done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
+        if self.settings.remediation_method == "label":
+            patch = nodes.health_label_patch(node, kind)
+            if patch is not None:
+                await self.kube.patch_node(node_name, patch)
+            value = nodes.HEALTH_LABEL_VALUES[kind]
+            message = (
+                f"labelled {node_name} {HYPERPOD_HEALTH_LABEL}={value} for HyperPod to {kind} it"
+            )
+        else:
+            labels = node["metadata"].get("labels") or {}
+            cluster = labels.get(HYPERPOD_CLUSTER_LABEL) or self.settings.cluster_name
+            instance = next(
+                (
+                    s.get("instanceId")
+                    for s in incident["status"].get("suspects") or []
+                    if s.get("node") == node_name and s.get("instanceId")
+                ),
+                None,
+            )
+            if not cluster or not instance or self.hyperpod is None:
+                message = f"cannot {kind} {node_name} through SageMaker: " + (
+                    "no instance id known"
+                    if not instance
+                    else f"no {HYPERPOD_CLUSTER_LABEL} label and no HYPERPOD_SDC_CLUSTER_NAME"
+                )
+                return Outcome(
+                    "Failed", message, ("Remediated", "False", "RemediationFailed", message)
+                )
+            ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+            if not ok:
+                return Outcome(
+                    "Failed", message, ("Remediated", "False", "RemediationFailed", message)
+                )
+        await self._event(node, f"SDCNode{done}", message, True)
+        return Outcome(
+            "Succeeded", message, ("Remediated", "True", done, message), {"phase": "Remediated"}
+        )
+
+    async def _release(self, incident: dict[str, Any], node_name: str) -> Outcome:
+        try:
+            node = await self.kube.get_node(node_name)
+        except Exception as exc:
+            if is_not_found(exc):
+                message = f"node {node_name} no longer exists"
+                return Outcome(
+                    "Skipped",
+                    message,
+                    ("Remediated", "True", "Released", message),
+                    {"phase": "Released"},
+                )
+            raise
+        annotations = node["metadata"].get("annotations") or {}
+        if annotations.get(INCIDENT_ANNOTATION, self._ref(incident)) != self._ref(incident):
+            holder = annotations[INCIDENT_ANNOTATION]
+            message = f"node {node_name} is held by incident {holder} now; left as it is"
+            return Outcome(
+                "Skipped",
+                message,
+                ("Remediated", "True", "Released", message),
+                {"phase": "Released"},
+            )
+        patch = nodes.release_patch(node)
+        if patch is not None:
+            await self.kube.patch_node(node_name, patch)
+            await self.refresh_quarantined()
+        message = f"released {node_name} after review: cordon, taint, label and annotation removed"
+        await self._event(node, "SDCNodeReleased", message, False)
+        return Outcome(
+            "Succeeded", message, ("Remediated", "True", "Released", message), {"phase": "Released"}
+        )
 
     async def refresh_quarantined(self) -> None:
         quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
@@ -430,7 +570,7 @@ class IncidentEngine:
         namespaces: Sequence[str | None] = self.settings.namespaces or (None,)
         for namespace in namespaces:
             for incident in await self.kube.list_incidents(namespace):
-                if (incident.get("status") or {}).get("phase") == "Detected":
+                if incidents.pending_actions(incident, self.rules):
                     meta = incident["metadata"]
                     self.schedule(meta["namespace"], meta["name"])
         await self.refresh_quarantined()

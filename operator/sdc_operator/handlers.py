@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import boto3
 import kopf
 from aiohttp import web
 
+from . import incidents
 from .auth import Authenticator, StaticTokens, TokenReviewer
 from .engine import IncidentEngine
 from .intake import Intake
@@ -24,11 +26,25 @@ from .kube import Kube, load_config
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .names import GROUP, INCIDENT_PLURAL, VERSION
+from .remediate import HyperPodNodes
 from .settings import OperatorSettings
 
 __all__ = ["Operator"]
 
 log = logging.getLogger(__name__)
+
+
+def _sagemaker_factory(settings: OperatorSettings) -> Callable[[], Any]:
+    """One boto3 SageMaker client for the process, made on first use (boto3 honours
+    ``AWS_ENDPOINT_URL_SAGEMAKER`` for VPC endpoints)."""
+    made: list[Any] = []
+
+    def make() -> Any:
+        if not made:
+            made.append(boto3.client("sagemaker", region_name=settings.aws_region))
+        return made[0]
+
+    return make
 
 
 class Operator:
@@ -39,7 +55,8 @@ class Operator:
         load_config()
         self.kube = Kube()
         self.metrics = Metrics()
-        self.engine = IncidentEngine(self.kube, settings, self.metrics)
+        sagemaker = _sagemaker_factory(settings)
+        self.engine = IncidentEngine(self.kube, settings, self.metrics, HyperPodNodes(sagemaker))
         authenticator: Authenticator
         if settings.auth_mode == "static":
             assert settings.static_tokens_file is not None
@@ -49,10 +66,7 @@ class Operator:
             authenticator = TokenReviewer(
                 self.kube, settings.token_audience, settings.token_cache_seconds
             )
-        resolver = InstanceResolver(
-            lambda: boto3.client("sagemaker", region_name=settings.aws_region),
-            cluster_name=settings.cluster_name,
-        )
+        resolver = InstanceResolver(sagemaker, cluster_name=settings.cluster_name)
         self.intake = Intake(
             settings, self.kube, authenticator, self.engine, resolver, self.metrics
         )
@@ -119,5 +133,6 @@ async def operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
 async def sdcincident_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if type == "DELETED":
         return
-    if (body.get("status") or {}).get("phase") == "Detected":
-        memo.operator.engine.schedule(body.metadata.namespace, body.metadata.name)
+    engine = memo.operator.engine
+    if incidents.pending_actions(dict(body), engine.rules):
+        engine.schedule(body.metadata.namespace, body.metadata.name)

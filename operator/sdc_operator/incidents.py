@@ -18,22 +18,24 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sdc_agent.protocol import VerdictReport
 
-from .names import GROUP, INCIDENT_KIND, VERSION
+from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION
 
 __all__ = [
     "Action",
     "JobRef",
+    "Rules",
     "ResolvedSuspect",
     "agreed_group",
     "fold_report",
     "incident_name",
     "new_incident",
     "next_action",
+    "pending_actions",
     "post_containment_actions",
     "resumed_status",
     "now_iso",
@@ -129,6 +131,8 @@ def new_incident(job: JobRef, name: str, report: VerdictReport) -> dict[str, Any
     }
     if report.transient is not None:
         spec["transient"] = report.transient
+    if report.evidence:
+        spec["evidence"] = report.evidence
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": INCIDENT_KIND,
@@ -229,27 +233,60 @@ def _phase_before_containment(reports: Sequence[dict[str, Any]], needed: int) ->
     return "NotHardware" if group[0] in NOT_HARDWARE else "Detected"
 
 
-def planned_actions(incident: dict[str, Any], needed: int) -> list[Action]:
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """The settings the decisions depend on (from :class:`OperatorSettings`)."""
+
+    agreement_nodes: int = 2
+    storm_suspect_nodes: int = 2
+    dry_run: bool = False
+    remediation_policy: str = "manual"
+    backoff_seconds: float = 30.0
+
+    @classmethod
+    def of(cls, settings: Any) -> Rules:
+        return cls(
+            agreement_nodes=settings.agreement_nodes,
+            storm_suspect_nodes=settings.storm_suspect_nodes,
+            dry_run=settings.dry_run,
+            remediation_policy=settings.remediation_policy,
+            backoff_seconds=settings.remediation_backoff_seconds,
+        )
+
+
+def _job_target(incident: dict[str, Any]) -> str:
+    job = (incident.get("spec") or {}).get("job") or {}
+    namespace = (incident.get("metadata") or {}).get("namespace", "")
+    return f"{job.get('kind')} {namespace}/{job.get('name')}"
+
+
+def suspect_nodes(incident: dict[str, Any]) -> list[str]:
+    nodes: list[str] = []
+    for suspect in (incident.get("status") or {}).get("suspects") or []:
+        node = suspect.get("node")
+        if node and node not in nodes:
+            nodes.append(node)
+    return nodes
+
+
+def is_storm(incident: dict[str, Any], rules: Rules) -> bool:
+    """Suspects on many nodes at once point at software non-determinism, not hardware."""
+    return len(suspect_nodes(incident)) > rules.storm_suspect_nodes
+
+
+def planned_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
     """Containment, in order: stop the job, then quarantine each suspect node (only for an
-    agreed, localized verdict that accuses hardware)."""
-    spec = incident.get("spec") or {}
+    agreed, localized verdict that accuses hardware, and not in a storm)."""
     status = incident.get("status") or {}
-    group = agreed_group(status.get("reports") or [], needed)
+    group = agreed_group(status.get("reports") or [], rules.agreement_nodes)
     if group is None:
         return []
     classification, localized, ranks = group
     if classification in NOT_HARDWARE:
         return []
-    job = spec.get("job") or {}
-    namespace = (incident.get("metadata") or {}).get("namespace", "")
-    actions = [Action("suspend-job", f"{job.get('kind')} {namespace}/{job.get('name')}")]
-    if localized and ranks:
-        nodes: list[str] = []
-        for suspect in status.get("suspects") or []:
-            node = suspect.get("node")
-            if node and node not in nodes:
-                nodes.append(node)
-        actions += [Action("quarantine-node", node) for node in nodes]
+    actions = [Action("suspend-job", _job_target(incident))]
+    if localized and ranks and not is_storm(incident, rules):
+        actions += [Action("quarantine-node", node) for node in suspect_nodes(incident)]
     return actions
 
 
@@ -261,72 +298,169 @@ def done_actions(status: dict[str, Any]) -> set[Action]:
     }
 
 
-def post_containment_actions(incident: dict[str, Any]) -> list[Action]:
-    """After containment: restart the job (only where its suspect node was quarantined,
-    so the restarted pods cannot land there)."""
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})
+
+
+def quarantined_nodes(status: dict[str, Any]) -> list[str]:
+    return [
+        a["target"]
+        for a in status.get("actions") or []
+        if a.get("action") == "quarantine-node" and a.get("result") == "Succeeded"
+    ]
+
+
+def requested_remediation(incident: dict[str, Any], rules: Rules) -> list[str]:
+    """What is asked for the quarantined nodes: the policy's automatic action, then what a
+    person asked for with the ``hyperpod-sdc.dev/action`` annotation."""
+    asked = []
+    if rules.remediation_policy in ("auto-reboot", "auto-replace"):
+        asked.append(rules.remediation_policy.removeprefix("auto-"))
+    annotation = ((incident.get("metadata") or {}).get("annotations") or {}).get(ACTION_ANNOTATION)
+    if annotation in ACTIONS and annotation not in asked:
+        asked.append(annotation)
+    return asked
+
+
+def post_containment_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
+    """After containment: restart the job (only where its suspect nodes were quarantined,
+    so the restarted pods cannot land there), then remediate the quarantined nodes as the
+    policy or a person asks."""
     status = incident.get("status") or {}
-    contained: dict[str, Any] = next(
-        (c for c in status.get("conditions") or [] if c.get("type") == "Contained"), {}
-    )
-    if contained.get("status") != "True" or contained.get("reason") != "NodeQuarantined":
-        return []
-    job = (incident.get("spec") or {}).get("job") or {}
-    namespace = (incident.get("metadata") or {}).get("namespace", "")
-    return [Action("resume-job", f"{job.get('kind')} {namespace}/{job.get('name')}")]
+    actions = []
+    contained = _condition(status, "Contained")
+    if contained.get("status") == "True" and contained.get("reason") == "NodeQuarantined":
+        actions.append(Action("resume-job", _job_target(incident)))
+    nodes = quarantined_nodes(status)
+    for request in requested_remediation(incident, rules):
+        actions += [Action(f"{request}-node", node) for node in nodes]
+    return actions
 
 
-def next_action(incident: dict[str, Any], needed: int) -> Action | None:
-    """The first planned action not yet recorded as done, or ``None``."""
+def _parse_time(at: str) -> datetime:
+    return datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def retry_at(status: dict[str, Any], action: Action, rules: Rules) -> datetime | None:
+    """When a failed action may be tried again (back-off doubling from
+    ``backoff_seconds``, at most 32 times that), or ``None`` if it never failed."""
+    failures = [
+        a
+        for a in status.get("actions") or []
+        if (a.get("action"), a.get("target")) == (action.action, action.target)
+        and a.get("result") == "Failed"
+    ]
+    if not failures:
+        return None
+    delay = rules.backoff_seconds * min(2 ** (len(failures) - 1), 32)
+    return _parse_time(failures[-1]["at"]) + timedelta(seconds=delay)
+
+
+_OPEN_FOR_ACTIONS = frozenset({"Contained", "Resumed", "Remediated"})
+
+
+def next_action(
+    incident: dict[str, Any], rules: Rules, now: datetime | None = None
+) -> Action | None:
+    """The first planned action not yet done and not waiting out a back-off, or ``None``."""
     status = incident.get("status") or {}
     phase = status.get("phase")
     if phase == "Detected":
-        planned = planned_actions(incident, needed)
-    elif phase in ("Contained", "Resumed"):
-        planned = post_containment_actions(incident)
+        planned = planned_actions(incident, rules)
+    elif phase in _OPEN_FOR_ACTIONS:
+        planned = post_containment_actions(incident, rules)
     else:
         return None
     done = done_actions(status)
-    return next((a for a in planned if a not in done), None)
+    now = now or datetime.now(timezone.utc)
+    for action in planned:
+        if action in done:
+            continue
+        due = retry_at(status, action, rules)
+        if due is None or due <= now:
+            return action
+    return None
+
+
+def pending_actions(incident: dict[str, Any], rules: Rules) -> bool:
+    """Anything left to do now or after a back-off (the resync keeps driving it)."""
+    status = incident.get("status") or {}
+    phase = status.get("phase")
+    if phase == "Detected":
+        return True
+    if phase not in _OPEN_FOR_ACTIONS:
+        return False
+    done = done_actions(status)
+    return any(a not in done for a in post_containment_actions(incident, rules))
 
 
 def record_action(
-    status: dict[str, Any], action: Action, result: str, message: str, at: str
+    status: dict[str, Any],
+    action: Action,
+    result: str,
+    message: str,
+    at: str,
+    reason: str | None = None,
 ) -> dict[str, Any]:
     status = _copy_status(status)
-    status.setdefault("actions", []).append(
-        {
-            "action": action.action,
-            "target": action.target,
-            "at": at,
-            "result": result,
-            "message": message,
-        }
-    )
+    entry = {
+        "action": action.action,
+        "target": action.target,
+        "at": at,
+        "result": result,
+        "message": message[:1024],
+    }
+    if reason:
+        entry["reason"] = reason
+    status.setdefault("actions", []).append(entry)
     return status
 
 
-def containment_summary(
-    incident: dict[str, Any], needed: int, dry_run: bool
-) -> tuple[str, str, str, str] | None:
-    """Once every planned action is done: (phase, Contained status, reason, message)."""
+def containment_summary(incident: dict[str, Any], rules: Rules) -> tuple[str, str, str, str] | None:
+    """Once every containment action is done: (phase, Contained status, reason, message)."""
     status = incident.get("status") or {}
-    if status.get("phase") != "Detected" or next_action(incident, needed) is not None:
+    if status.get("phase") != "Detected" or next_action(incident, rules) is not None:
         return None
-    actions = planned_actions(incident, needed)
-    nodes = [a.target for a in actions if a.action == "quarantine-node"]
-    if dry_run:
+    done = done_actions(status)
+    if any(a not in done for a in planned_actions(incident, rules)):
+        return None  # an action failed and waits out its back-off
+    if rules.dry_run:
         return (
             "DryRun",
             "False",
             "DryRun",
             "dry-run: recorded the actions it would take, took none",
         )
-    if nodes:
+    if is_storm(incident, rules):
+        nodes = suspect_nodes(incident)
+        return (
+            "Contained",
+            "True",
+            "Storm",
+            f"job stopped; suspects on {len(nodes)} nodes at once ({', '.join(nodes)}) point at "
+            "software non-determinism, not hardware: no node was quarantined",
+        )
+    planned = [a.target for a in planned_actions(incident, rules) if a.action == "quarantine-node"]
+    quarantined = quarantined_nodes(status)
+    if planned and set(planned) <= set(quarantined):
         return (
             "Contained",
             "True",
             "NodeQuarantined",
-            f"job stopped; node(s) {', '.join(nodes)} cordoned and tainted",
+            f"job stopped; node(s) {', '.join(planned)} cordoned and tainted",
+        )
+    if planned:
+        skipped = [
+            f"{a['target']}: {a.get('message', '')}"
+            for a in status.get("actions") or []
+            if a.get("action") == "quarantine-node" and a.get("result") == "Skipped"
+        ]
+        capped = any(a.get("reason") == "CapReached" for a in status.get("actions") or [])
+        return (
+            "Contained",
+            "True",
+            "QuarantineCapReached" if capped else "NotQuarantined",
+            f"job stopped; not every suspect node was quarantined ({'; '.join(skipped)})",
         )
     return (
         "Contained",

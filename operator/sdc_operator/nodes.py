@@ -10,9 +10,10 @@ import copy
 import re
 from typing import Any
 
-from .names import INCIDENT_ANNOTATION, SUSPECT_KEY
+from .names import HYPERPOD_HEALTH_LABEL, INCIDENT_ANNOTATION, PRIOR_CORDON_ANNOTATION, SUSPECT_KEY
 
 __all__ = [
+    "health_label_patch",
     "instance_id_from_node_name",
     "instance_id_from_provider_id",
     "quarantine_patch",
@@ -44,43 +45,64 @@ def quarantine_patch(node: dict[str, Any], incident: str) -> dict[str, Any] | No
     ``incident`` (``<namespace>/<name>``), or ``None`` when it already is: idempotent.
 
     The taint list is replaced whole (a merge patch cannot append), so the patch carries
-    the node's other taints unchanged.
+    the node's other taints unchanged. A node that was cordoned already is annotated so,
+    and :func:`release_patch` leaves it cordoned.
     """
     spec = node.get("spec") or {}
     meta = node.get("metadata") or {}
     taints = copy.deepcopy(spec.get("taints") or [])
     has_taint = any(t.get("key") == SUSPECT_KEY and t.get("effect") == "NoSchedule" for t in taints)
-    labelled = (meta.get("labels") or {}).get(SUSPECT_KEY) == "true"
-    annotated = (meta.get("annotations") or {}).get(INCIDENT_ANNOTATION) == incident
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    labelled = labels.get(SUSPECT_KEY) == "true"
+    annotated = annotations.get(INCIDENT_ANNOTATION) == incident
     if spec.get("unschedulable") is True and has_taint and labelled and annotated:
         return None
     if not has_taint:
         taints.append(dict(SUSPECT_TAINT))
+    new_annotations: dict[str, Any] = {INCIDENT_ANNOTATION: incident}
+    if spec.get("unschedulable") is True and not (labelled or INCIDENT_ANNOTATION in annotations):
+        new_annotations[PRIOR_CORDON_ANNOTATION] = "true"
     return {
-        "metadata": {
-            "labels": {SUSPECT_KEY: "true"},
-            "annotations": {INCIDENT_ANNOTATION: incident},
-        },
+        "metadata": {"labels": {SUSPECT_KEY: "true"}, "annotations": new_annotations},
         "spec": {"unschedulable": True, "taints": taints},
     }
 
 
 def release_patch(node: dict[str, Any]) -> dict[str, Any] | None:
-    """Undo :func:`quarantine_patch` (after review found a false alarm), or ``None``."""
+    """Undo :func:`quarantine_patch` (after review found a false alarm), or ``None``: the
+    node is left as it was before, cordoned only if it was cordoned then."""
     spec = node.get("spec") or {}
     meta = node.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
     taints = [t for t in spec.get("taints") or [] if t.get("key") != SUSPECT_KEY]
     quarantined = (
         len(taints) != len(spec.get("taints") or [])
         or SUSPECT_KEY in (meta.get("labels") or {})
-        or INCIDENT_ANNOTATION in (meta.get("annotations") or {})
+        or INCIDENT_ANNOTATION in annotations
     )
     if not quarantined:
         return None
+    was_cordoned = annotations.get(PRIOR_CORDON_ANNOTATION) == "true"
     return {
         "metadata": {
             "labels": {SUSPECT_KEY: None},
-            "annotations": {INCIDENT_ANNOTATION: None},
+            "annotations": {INCIDENT_ANNOTATION: None, PRIOR_CORDON_ANNOTATION: None},
         },
-        "spec": {"unschedulable": None, "taints": taints or None},
+        "spec": {"unschedulable": True if was_cordoned else None, "taints": taints or None},
     }
+
+
+HEALTH_LABEL_VALUES = {
+    "reboot": "UnschedulablePendingReboot",
+    "replace": "UnschedulablePendingReplacement",
+}
+
+
+def health_label_patch(node: dict[str, Any], action: str) -> dict[str, Any] | None:
+    """Ask HyperPod to reboot or replace the node through its health-status label, or
+    ``None`` if it already carries that value."""
+    value = HEALTH_LABEL_VALUES[action]
+    if ((node.get("metadata") or {}).get("labels") or {}).get(HYPERPOD_HEALTH_LABEL) == value:
+        return None
+    return {"metadata": {"labels": {HYPERPOD_HEALTH_LABEL: value}}}

@@ -15,9 +15,17 @@ from sdc_agent.protocol import MAX_REPORT_BYTES
 
 from .errors import ConfigError
 
-__all__ = ["AUTH_MODES", "ENV_OF_FIELD", "OperatorSettings"]
+__all__ = [
+    "AUTH_MODES",
+    "ENV_OF_FIELD",
+    "REMEDIATION_METHODS",
+    "REMEDIATION_POLICIES",
+    "OperatorSettings",
+]
 
 AUTH_MODES = ("tokenreview", "static")
+REMEDIATION_POLICIES = ("manual", "auto-reboot", "auto-replace")
+REMEDIATION_METHODS = ("api", "label")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +66,25 @@ class OperatorSettings:
     auto_resume: bool = True
     """Restart a contained job from its last clean checkpoint once its suspect node is
     quarantined. A job opts out with ``hyperpod-sdc.dev/auto-resume: "false"``."""
+    remediation_policy: str = "manual"
+    """``manual``: a person annotates the incident with ``hyperpod-sdc.dev/action`` =
+    ``reboot``, ``replace`` or ``release``. ``auto-reboot``, ``auto-replace``: at once, once
+    the node is quarantined."""
+    remediation_method: str = "api"
+    """``api``: SageMaker BatchRebootClusterNodes / BatchReplaceClusterNodes. ``label``: the
+    node's ``sagemaker.amazonaws.com/node-health-status`` label
+    (``UnschedulablePendingReboot`` / ``UnschedulablePendingReplacement``)."""
+    remediation_backoff_seconds: float = 30.0
+    """Wait before retrying a failed reboot or replace; doubles each time, up to 32 times."""
+    max_quarantined_per_job: int = 2
+    """Nodes one job's incidents may quarantine at a time; beyond it the job is stopped and
+    no further node is quarantined."""
+    max_quarantined_nodes: str = "5%"
+    """Nodes quarantined cluster-wide at a time: a count (``10``) or a share of all nodes
+    (``5%``, at least 1)."""
+    storm_suspect_nodes: int = 2
+    """An incident whose suspects span more nodes than this is a storm (software
+    non-determinism, not hardware): the job is stopped, no node is quarantined."""
     cluster_name: str | None = None
     """HyperPod cluster name for ``ListClusterNodes``, where a node has no
     ``sagemaker.amazonaws.com/cluster-name`` label."""
@@ -80,6 +107,19 @@ class OperatorSettings:
             raise bad(
                 "auth_mode", f"must be one of {', '.join(AUTH_MODES)}, got {self.auth_mode!r}"
             )
+        for name, choices in (
+            ("remediation_policy", REMEDIATION_POLICIES),
+            ("remediation_method", REMEDIATION_METHODS),
+        ):
+            if getattr(self, name) not in choices:
+                raise bad(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        cap = self.max_quarantined_nodes
+        number = cap[:-1] if cap.endswith("%") else cap
+        if not number.isdigit() or int(number) < 1 or (cap.endswith("%") and int(number) > 100):
+            raise bad(
+                "max_quarantined_nodes",
+                f"must be a count >= 1 or a percentage 1% to 100%, got {cap!r}",
+            )
         if self.auth_mode == "static" and not self.static_tokens_file:
             raise bad("static_tokens_file", "is required when the auth mode is static")
         if not self.token_audience:
@@ -92,12 +132,29 @@ class OperatorSettings:
         for name in ("token_cache_seconds", "max_report_age_seconds"):
             if getattr(self, name) < 0:
                 raise bad(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("rate_per_job", "resync_seconds", "max_report_age_seconds"):
+        for name in (
+            "rate_per_job",
+            "resync_seconds",
+            "max_report_age_seconds",
+            "remediation_backoff_seconds",
+        ):
             if getattr(self, name) <= 0:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("rate_burst", "agreement_nodes"):
+        for name in (
+            "rate_burst",
+            "agreement_nodes",
+            "max_quarantined_per_job",
+            "storm_suspect_nodes",
+        ):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+
+    def quarantine_cap(self, total_nodes: int) -> int:
+        """The cluster-wide cap for a cluster of ``total_nodes``."""
+        cap = self.max_quarantined_nodes
+        if cap.endswith("%"):
+            return max(1, total_nodes * int(cap[:-1]) // 100)
+        return int(cap)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -253,6 +253,7 @@ class OperatorProcess:
         log_path: Path,
         scheme: str = "http",
         kubeconfig: str | None = None,
+        extra_env: dict[str, str] | None = None,
         **settings: str,
     ) -> None:
         self.port = free_port()
@@ -266,8 +267,12 @@ class OperatorProcess:
             "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
             "HYPERPOD_SDC_NAMESPACES": namespace,
             "HYPERPOD_SDC_RESYNC_SECONDS": "1",
+            # The tests share one API server and leave quarantined nodes behind: only the
+            # tests of the cap itself set one.
+            "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",
             "AWS_DEFAULT_REGION": "us-west-2",
             **{f"HYPERPOD_SDC_{k.upper()}": v for k, v in settings.items()},
+            **(extra_env or {}),
         }
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ def start_operator(
     every process started is stopped after the test, and its log shown if it failed."""
     started: list[OperatorProcess] = []
 
-    def start(**settings: str) -> OperatorProcess:
+    def start(**settings: Any) -> OperatorProcess:
         proc = OperatorProcess(
             cluster, namespace, tmp_path / f"operator-{len(started)}.log", **settings
         )

@@ -8,10 +8,11 @@ import pytest
 
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
 from sdc_operator import incidents
-from sdc_operator.incidents import Action, JobRef, ResolvedSuspect
+from sdc_operator.incidents import Action, JobRef, ResolvedSuspect, Rules
 
 JOB = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "llama-pretrain", "uid-1")
 AT = "2026-11-29T00:00:00Z"
+R = Rules()
 
 
 def report(
@@ -79,7 +80,7 @@ def test_name_is_stable_per_window_and_a_dns_label() -> None:
 def test_one_node_waits_two_agreeing_nodes_detect() -> None:
     status = fold({}, "a")
     assert status["phase"] == "WaitingForAgreement"
-    assert incidents.next_action(incident(status), 2) is None
+    assert incidents.next_action(incident(status), R) is None
     status = fold(status, "a")  # the same node again changes nothing
     assert len(status["reports"]) == 1
     status = fold(status, "c", ranks=(5,))  # disagrees
@@ -91,7 +92,7 @@ def test_one_node_waits_two_agreeing_nodes_detect() -> None:
         "b",
         "i-0123456789abcdef0",
     )
-    assert incidents.next_action(incident(status), 2) == Action(
+    assert incidents.next_action(incident(status), R) == Action(
         "suspend-job", "PyTorchJob ml/llama-pretrain"
     )
 
@@ -103,7 +104,7 @@ def test_suspects_freeze_once_containment_starts() -> None:
         status = fold(status, node, ranks=(7,))
     assert status["ranks"] == "3"
     assert incidents.agreed_group(status["reports"], 2) == ("rank", True, (7,))  # larger now
-    assert [a.target for a in incidents.planned_actions(incident(status), 2)][1:] == ["b"]
+    assert [a.target for a in incidents.planned_actions(incident(status), R)][1:] == ["b"]
 
 
 def test_agreement_of_one_node_when_configured() -> None:
@@ -119,18 +120,18 @@ def test_software_verdicts_take_no_action(classification: str) -> None:
         classification=classification,
     )
     assert status["phase"] == "NotHardware"
-    assert incidents.planned_actions(incident(status), 2) == []
+    assert incidents.planned_actions(incident(status), R) == []
 
 
 def test_unlocalized_verdict_stops_the_job_and_quarantines_nothing() -> None:
     status = fold(fold({}, "a", ranks=(1, 3), localized=False), "c", ranks=(1, 3), localized=False)
-    assert incidents.planned_actions(incident(status), 2) == [
+    assert incidents.planned_actions(incident(status), R) == [
         Action("suspend-job", "PyTorchJob ml/llama-pretrain")
     ]
     status = incidents.record_action(
         status, Action("suspend-job", "PyTorchJob ml/llama-pretrain"), "Succeeded", "", AT
     )
-    assert incidents.containment_summary(incident(status), 2, False) == (
+    assert incidents.containment_summary(incident(status), R) == (
         "Contained",
         "True",
         "JobStoppedNotLocalized",
@@ -141,7 +142,7 @@ def test_unlocalized_verdict_stops_the_job_and_quarantines_nothing() -> None:
 def test_actions_in_order_once_each_then_contained() -> None:
     status = fold(fold({}, "a"), "c")
     taken = []
-    while (action := incidents.next_action(incident(status), 2)) is not None:
+    while (action := incidents.next_action(incident(status), R)) is not None:
         taken.append(action)
         status = incidents.record_action(status, action, "Succeeded", "ok", AT)
         assert len(taken) < 5
@@ -149,7 +150,7 @@ def test_actions_in_order_once_each_then_contained() -> None:
         Action("suspend-job", "PyTorchJob ml/llama-pretrain"),
         Action("quarantine-node", "b"),
     ]
-    phase, contained, reason, _ = incidents.containment_summary(incident(status), 2, False) or (
+    phase, contained, reason, _ = incidents.containment_summary(incident(status), R) or (
         "",
         "",
         "",
@@ -159,15 +160,15 @@ def test_actions_in_order_once_each_then_contained() -> None:
     status = incidents.record_action(
         status, taken[0], "Failed", "", AT
     )  # a failure recorded later does not undo
-    assert incidents.next_action(incident(status), 2) is None
+    assert incidents.next_action(incident(status), R) is None
 
 
 def test_failed_or_skipped_action_is_retried() -> None:
     status = fold(fold({}, "a"), "c")
-    action = incidents.next_action(incident(status), 2)
+    action = incidents.next_action(incident(status), R)
     assert action is not None
     status = incidents.record_action(status, action, "Failed", "boom", AT)
-    assert incidents.next_action(incident(status), 2) == action
+    assert incidents.next_action(incident(status), R) == action
 
 
 def test_conditions_keep_transition_time_unless_status_changes() -> None:
@@ -196,3 +197,85 @@ def test_new_incident_has_no_owner_reference() -> None:
         "name": "llama-pretrain",
         "uid": "uid-1",
     }
+
+
+def contained(status: dict[str, Any], rules: Rules = R) -> dict[str, Any]:
+    """Take every containment action successfully and write the summary, as the engine does."""
+    while (action := incidents.next_action(incident(status), rules)) is not None:
+        status = incidents.record_action(status, action, "Succeeded", "ok", AT)
+    summary = incidents.containment_summary(incident(status), rules)
+    assert summary is not None
+    status["phase"] = summary[0]
+    incidents.set_condition(status, "Contained", summary[1], summary[2], summary[3], AT)
+    return status
+
+
+def test_storm_stops_the_job_and_quarantines_nothing() -> None:
+    status = fold(fold({}, "a", ranks=(1, 3, 5)), "c", ranks=(1, 3, 5))
+    spread = [ResolvedSuspect(r, 1, f"p{r}", f"node-{r}") for r in (1, 3, 5)]
+    status["suspects"] = [s.as_status() for s in spread]
+    assert incidents.planned_actions(incident(status), R) == [
+        Action("suspend-job", "PyTorchJob ml/llama-pretrain")
+    ]
+    status = contained(status)
+    reason = next(c for c in status["conditions"] if c["type"] == "Contained")["reason"]
+    assert reason == "Storm"
+    assert incidents.next_action(incident(status), R) is None  # no resume, no remediation
+    assert incidents.planned_actions(incident(status), Rules(storm_suspect_nodes=3))[1:] == [
+        Action("quarantine-node", f"node-{r}") for r in (1, 3, 5)
+    ]
+
+
+def test_cap_skip_is_said_and_blocks_the_resume() -> None:
+    status = fold(fold({}, "a"), "c")
+    status = incidents.record_action(
+        status, Action("suspend-job", "PyTorchJob ml/llama-pretrain"), "Succeeded", "", AT
+    )
+    status = incidents.record_action(
+        status, Action("quarantine-node", "b"), "Skipped", "cap of 1 reached", AT, "CapReached"
+    )
+    summary = incidents.containment_summary(incident(status), R)
+    assert (
+        summary is not None
+        and summary[2] == "QuarantineCapReached"
+        and "cap of 1 reached" in summary[3]
+    )
+
+
+def test_resume_then_remediation_by_annotation_or_policy() -> None:
+    status = contained(fold(fold({}, "a"), "c"))
+    job = "PyTorchJob ml/llama-pretrain"
+    assert incidents.next_action(incident(status), R) == Action("resume-job", job)
+    status = incidents.record_action(status, Action("resume-job", job), "Succeeded", "", AT)
+    assert incidents.next_action(incident(status), R) is None  # manual: waits for a person
+    reviewed = incident(status)
+    reviewed["metadata"]["annotations"] = {"hyperpod-sdc.dev/action": "replace"}
+    assert incidents.next_action(reviewed, R) == Action("replace-node", "b")
+    reviewed["metadata"]["annotations"] = {"hyperpod-sdc.dev/action": "format-disk"}
+    assert incidents.next_action(reviewed, R) is None  # not an action
+    auto = Rules(remediation_policy="auto-reboot")
+    assert incidents.next_action(incident(status), auto) == Action("reboot-node", "b")
+    assert incidents.pending_actions(incident(status), auto)
+    assert not incidents.pending_actions(incident(status), R)
+
+
+def test_failed_remediation_backs_off_doubling() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    status = contained(fold(fold({}, "a"), "c"))
+    status = incidents.record_action(
+        status, Action("resume-job", "PyTorchJob ml/llama-pretrain"), "Skipped", "", AT
+    )
+    rules = Rules(remediation_policy="auto-replace", backoff_seconds=10)
+    action = Action("replace-node", "b")
+    t0 = datetime(2026, 11, 29, tzinfo=timezone.utc)
+    assert incidents.next_action(incident(status), rules, t0) == action
+    status = incidents.record_action(status, action, "Failed", "InternalServerError", AT)
+    assert incidents.next_action(incident(status), rules, t0 + timedelta(seconds=9)) is None
+    assert incidents.pending_actions(incident(status), rules)
+    assert incidents.next_action(incident(status), rules, t0 + timedelta(seconds=10)) == action
+    status = incidents.record_action(status, action, "Failed", "again", AT)
+    assert incidents.next_action(incident(status), rules, t0 + timedelta(seconds=19)) is None
+    assert incidents.next_action(incident(status), rules, t0 + timedelta(seconds=20)) == action
+    status = incidents.record_action(status, action, "Succeeded", "ok", AT)
+    assert incidents.next_action(incident(status), rules, t0 + timedelta(days=1)) is None

@@ -19,6 +19,7 @@ from sdc_operator.jobs import (
     verified_checkpoints,
 )
 from sdc_operator.nodes import (
+    health_label_patch,
     instance_id_from_node_name,
     instance_id_from_provider_id,
     quarantine_patch,
@@ -249,3 +250,31 @@ def test_the_operator_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'the operator pulled in torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_release_leaves_a_node_cordoned_before_as_it_was() -> None:
+    cordoned = apply(NODE, {"spec": {"unschedulable": True}})
+    quarantined = apply(cordoned, quarantine_patch(cordoned, "team/x") or {})
+    assert quarantined["metadata"]["annotations"]["hyperpod-sdc.dev/was-cordoned"] == "true"
+    released = apply(quarantined, release_patch(quarantined) or {})
+    assert released["metadata"].pop("annotations") == {}
+    assert released == cordoned
+    # a second incident on a node we quarantined does not mistake our cordon for a prior one
+    again = quarantine_patch(apply(NODE, quarantine_patch(NODE, "team/x") or {}), "team/y")
+    assert (
+        again is not None
+        and "hyperpod-sdc.dev/was-cordoned" not in again["metadata"]["annotations"]
+    )
+
+
+def test_health_label_asks_hyperpod_to_act() -> None:
+    patch = health_label_patch(NODE, "replace")
+    assert patch == {
+        "metadata": {
+            "labels": {
+                "sagemaker.amazonaws.com/node-health-status": "UnschedulablePendingReplacement"
+            }
+        }
+    }
+    assert health_label_patch(apply(NODE, patch), "replace") is None
+    assert health_label_patch(apply(NODE, patch), "reboot") is not None

@@ -1,0 +1,261 @@
+"""Node remediation after review, and the guard rails, against the real API server; AWS
+calls go to a loopback SageMaker endpoint that checks them against botocore's model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
+from sdc_operator.names import SUSPECT_KEY
+
+from .cluster import Cluster, OperatorProcess, wait_for
+from .fake_sagemaker import FakeSageMaker
+from .test_containment import Job, incident_in, make_job, send, verdict
+
+CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}
+
+
+@pytest.fixture
+def sagemaker() -> Iterator[FakeSageMaker]:
+    fake = FakeSageMaker()
+    yield fake
+    fake.stop()
+    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
+
+
+def annotate(cluster: Cluster, incident: dict[str, Any], action: str) -> None:
+    cluster.custom.patch_namespaced_custom_object(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        incident["metadata"]["namespace"],
+        "sdcincidents",
+        incident["metadata"]["name"],
+        {"metadata": {"annotations": {"hyperpod-sdc.dev/action": action}}},
+    )
+
+
+def phase(cluster: Cluster, namespace: str, want: str) -> dict[str, Any]:
+    return wait_for(
+        f"phase {want}",
+        lambda: next(
+            (i for i in cluster.incidents(namespace) if i["status"].get("phase") == want), None
+        ),
+    )
+
+
+def contain(
+    cluster: Cluster,
+    op: OperatorProcess,
+    job: Job,
+    report: Callable[[int], VerdictReport] | None = None,
+) -> None:
+    for reporter in (0, 2):
+        assert (
+            send(cluster, op, job, reporter, (report or (lambda r: verdict(job, r)))(reporter))[0]
+            == 202
+        )
+
+
+def test_manual_approval_then_replace_calls_the_api_once(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    sagemaker: FakeSageMaker,
+) -> None:
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    op = start_operator(extra_env=sagemaker.env())
+    contain(cluster, op, job)
+    incident = incident_in(cluster, namespace, "Contained")
+    time.sleep(2)  # two resyncs: the manual policy waits for a person
+    assert sagemaker.calls == []
+    annotate(cluster, incident, "replace")
+    incident = phase(cluster, namespace, "Remediated")
+    remediated = next(c for c in incident["status"]["conditions"] if c["type"] == "Remediated")
+    assert (remediated["status"], remediated["reason"]) == ("True", "ReplaceRequested")
+    time.sleep(2)
+    assert sagemaker.calls == [
+        ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
+    ]
+    assert incident["status"]["actions"][-1]["action"] == "replace-node"
+
+
+def test_per_node_failure_is_retried_with_back_off(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    failed = {
+        "Failed": [
+            {
+                "NodeId": job.instance(1),
+                "ErrorCode": "InternalServerError",
+                "Message": "try again later",
+            }
+        ],
+    }
+    sagemaker = FakeSageMaker({"BatchRebootClusterNodes": [failed]})
+    try:
+        op = start_operator(
+            extra_env=sagemaker.env(),
+            remediation_policy="auto-reboot",
+            remediation_backoff_seconds="1",
+        )
+        contain(cluster, op, job)
+        incident = phase(cluster, namespace, "Remediated")
+    finally:
+        sagemaker.stop()
+    assert sagemaker.invalid == []
+    reboots = [
+        (a["result"], a["message"])
+        for a in incident["status"]["actions"]
+        if a["action"] == "reboot-node"
+    ]
+    assert [r for r, _ in reboots] == ["Failed", "Succeeded"]
+    assert "InternalServerError: try again later" in reboots[0][1]
+    assert [c[0] for c in sagemaker.calls] == ["BatchRebootClusterNodes"] * 2
+
+
+def test_release_restores_the_node_exactly(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    suspect = job.node_name(1)
+    cluster.core.patch_node(
+        suspect,
+        {
+            "metadata": {"labels": {"team": "ml"}, "annotations": {"owner": "infra"}},
+            "spec": {
+                "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+            },
+        },
+        _content_type="application/merge-patch+json",
+    )
+
+    def shape(node: dict[str, Any]) -> tuple[Any, ...]:
+        meta = node["metadata"]
+        return (
+            meta.get("labels"),
+            meta.get("annotations"),
+            node["spec"].get("taints"),
+            node["spec"].get("unschedulable"),
+        )
+
+    before = shape(cluster.get_node(suspect))
+    op = start_operator()
+    contain(cluster, op, job)
+    incident = incident_in(cluster, namespace, "Contained")
+    assert shape(cluster.get_node(suspect)) != before
+    annotate(cluster, incident, "release")
+    incident = phase(cluster, namespace, "Released")
+    assert shape(cluster.get_node(suspect)) == before
+
+
+def multi(job: Job, reporter: int, suspect_nodes: list[int]) -> VerdictReport:
+    base = verdict(job, reporter)
+    suspects = tuple(Suspect(n * 2 + 1, job.node_name(n), 1, job.pods[n]) for n in suspect_nodes)
+    return VerdictReport(
+        reporter=ReporterIdentity(reporter * 2, job.node_name(reporter), job.pods[reporter]),
+        sent_at=base.sent_at,
+        check="nonfinite",
+        classification="rank",
+        step=base.step,
+        last_clean_step=base.last_clean_step,
+        localized=True,
+        transient=None,
+        suspects=suspects,
+        message=f"non-finite local gradients on {len(suspects)} ranks",
+    )
+
+
+def untouched(cluster: Cluster, job: Job, nodes: list[int]) -> bool:
+    return all(
+        SUSPECT_KEY not in (cluster.get_node(job.node_name(n))["metadata"].get("labels") or {})
+        for n in nodes
+    )
+
+
+def contained_reason(incident: dict[str, Any]) -> tuple[str, str]:
+    c = next(c for c in incident["status"]["conditions"] if c["type"] == "Contained")
+    return c["reason"], c["message"]
+
+
+def test_cluster_wide_cap_quarantines_nothing_and_says_so(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    other = cluster.node()
+    cluster.core.patch_node(
+        other["metadata"]["name"],
+        {"metadata": {"labels": {SUSPECT_KEY: "true"}}},
+        _content_type="application/merge-patch+json",
+    )
+    try:
+        op = start_operator(max_quarantined_nodes="1")
+        contain(cluster, op, job)
+        incident = incident_in(cluster, namespace, "Contained")
+    finally:
+        cluster.core.patch_node(
+            other["metadata"]["name"],
+            {"metadata": {"labels": {SUSPECT_KEY: None}}},
+            _content_type="application/merge-patch+json",
+        )
+    reason, message = contained_reason(incident)
+    assert reason == "QuarantineCapReached" and "cluster-wide cap is 1" in message
+    assert untouched(cluster, job, [0, 1, 2])
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
+    assert not any(a["action"] == "resume-job" for a in incident["status"]["actions"])
+    wait_for(
+        "the cap event",
+        lambda: any(e["reason"] == "SDCQuarantineCapReached" for e in cluster.events(namespace)),
+    )
+
+
+def test_per_job_cap(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator(max_quarantined_per_job="1", max_quarantined_nodes="100%")
+    contain(cluster, op, job, lambda r: multi(job, r, [0, 1]))
+    incident = incident_in(cluster, namespace, "Contained")
+    assert contained_reason(incident)[0] == "QuarantineCapReached"
+    results = [(a["action"], a["target"], a["result"]) for a in incident["status"]["actions"]][:3]
+    assert results == [
+        ("suspend-job", f"PyTorchJob {namespace}/train", "Succeeded"),
+        ("quarantine-node", job.node_name(0), "Succeeded"),
+        ("quarantine-node", job.node_name(1), "Skipped"),
+    ]
+
+
+def test_storm_quarantines_nothing_and_says_so(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    contain(cluster, op, job, lambda r: multi(job, r, [0, 1, 2]))
+    incident = incident_in(cluster, namespace, "Contained")
+    reason, message = contained_reason(incident)
+    assert reason == "Storm" and "software non-determinism" in message
+    assert untouched(cluster, job, [0, 1, 2])
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
+    wait_for(
+        "the storm event",
+        lambda: any(
+            e["reason"] == "Contained" and "non-determinism" in e["message"]
+            for e in cluster.events(namespace)
+        ),
+    )
+
+
+def test_auto_replace_through_the_health_label(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator(remediation_policy="auto-replace", remediation_method="label")
+    contain(cluster, op, job)
+    phase(cluster, namespace, "Remediated")
+    labels = cluster.get_node(job.node_name(1))["metadata"]["labels"]
+    assert labels["sagemaker.amazonaws.com/node-health-status"] == "UnschedulablePendingReplacement"
+    assert labels[SUSPECT_KEY] == "true"  # still quarantined until HyperPod replaces it
