@@ -419,7 +419,15 @@ class IncidentEngine:
         patch = nodes.quarantine_patch(node, ref)
         if patch is None:
             return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
-        refusal = await self._over_cap(incident, node_name)
+        # All or nothing: the incident's remaining suspect nodes must fit under the caps
+        # together, so a cap never leaves an incident half quarantined.
+        planned = [
+            a.target
+            for a in incidents.planned_actions(incident, self.rules)
+            if a.action == "quarantine-node"
+        ]
+        remaining = len(set(planned) - set(incidents.quarantined_nodes(incident["status"])))
+        refusal = await self._over_cap(incident, node_name, max(1, remaining))
         if refusal is not None:
             await self._event(incident, "SDCQuarantineCapReached", refusal, True)
             return Outcome("Skipped", refusal, reason="CapReached")
@@ -432,14 +440,15 @@ class IncidentEngine:
         await self._event(node, "SDCNodeQuarantined", message, True)
         return Outcome("Succeeded", message)
 
-    async def _over_cap(self, incident: dict[str, Any], node_name: str) -> str | None:
-        """Why quarantining one more node would break a cap, or ``None``."""
+    async def _over_cap(self, incident: dict[str, Any], node_name: str, adding: int) -> str | None:
+        """Why quarantining ``adding`` more nodes would break a cap, or ``None``."""
         quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
         total = len(await self.kube.list_nodes())
         cap = self.settings.quarantine_cap(total)
-        if len(quarantined) + 1 > cap:
+        if len(quarantined) + adding > cap:
             return (
-                f"not quarantining {node_name}: {len(quarantined)} of {total} nodes are "
+                f"not quarantining {node_name} ({adding} suspect node(s)): {len(quarantined)} of "
+                f"{total} nodes are "
                 f"quarantined already, the cluster-wide cap is {cap} "
                 f"(HYPERPOD_SDC_MAX_QUARANTINED_NODES={self.settings.max_quarantined_nodes}); "
                 "a person must review"
@@ -458,9 +467,10 @@ class IncidentEngine:
             for n in quarantined
             if ((n["metadata"].get("annotations") or {}).get(INCIDENT_ANNOTATION)) in of_job
         ]
-        if len(mine) + 1 > self.settings.max_quarantined_per_job:
+        if len(mine) + adding > self.settings.max_quarantined_per_job:
             return (
-                f"not quarantining {node_name}: job {namespace}/{job['name']} has "
+                f"not quarantining {node_name} ({adding} suspect node(s)): job "
+                f"{namespace}/{job['name']} has "
                 f"{len(mine)} quarantined node(s), the cap per job is "
                 f"{self.settings.max_quarantined_per_job} (HYPERPOD_SDC_MAX_QUARANTINED_PER_JOB)"
             )

@@ -221,12 +221,14 @@ def test_per_job_cap(
     contain(cluster, op, job, lambda r: multi(job, r, [0, 1]))
     incident = incident_in(cluster, namespace, "Contained")
     assert contained_reason(incident)[0] == "QuarantineCapReached"
-    results = [(a["action"], a["target"], a["result"]) for a in incident["status"]["actions"]][:3]
-    assert results == [
+    results = [(a["action"], a["target"], a["result"]) for a in incident["status"]["actions"]]
+    assert results == [  # all or nothing: two suspect nodes do not fit under a cap of one
         ("suspend-job", f"PyTorchJob {namespace}/train", "Succeeded"),
-        ("quarantine-node", job.node_name(0), "Succeeded"),
+        ("quarantine-node", job.node_name(0), "Skipped"),
         ("quarantine-node", job.node_name(1), "Skipped"),
     ]
+    assert untouched(cluster, job, [0, 1, 2])
+    assert "cap per job is 1" in incident["status"]["actions"][1]["message"]
 
 
 def test_storm_quarantines_nothing_and_says_so(
