@@ -15,6 +15,8 @@ On start it resumes from the newest verified checkpoint at or before
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -44,6 +46,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument(
+        "--result-file",
+        type=Path,
+        help="write the final weights' SHA-256 here (JSON), to compare runs",
+    )
     args = parser.parse_args()
 
     sdc_agent.enable_determinism()  # before CUDA is used: the replay audit compares bits
@@ -84,6 +91,13 @@ def main() -> None:
             torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, path)
             guard.mark_checkpoint(path)
     guard.close()
+    if args.result_file is not None and rank == 0:
+        digest = hashlib.sha256()
+        for name, tensor in sorted(net.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        outcome = {"steps": args.steps, "resumed_from": start, "sha256": digest.hexdigest()}
+        args.result_file.write_text(json.dumps(outcome))
     dist.barrier()
     dist.destroy_process_group()
 

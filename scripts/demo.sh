@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# The local demo: DDP on 3 emulated nodes (CPU, gloo), a fault injected on one rank,
-# and what the agent found. Extra arguments go to `python -m sdc_agent.demo`.
+# The main demo, end to end on one machine: a real Kubernetes API server, the operator and
+# a 6-rank DDP job (CPU, gloo) with a corrupting GPU on one node: detected, localized,
+# contained, resumed from a clean checkpoint, finished with the weights of a clean run.
+# Extra arguments go to scripts/e2e_demo.py (--keep DIR keeps the logs).
+#
+# The agent alone, without Kubernetes: .venv/bin/python -m sdc_agent.demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh agent
-exec .venv/bin/python -m sdc_agent.demo "$@"
+scripts/bootstrap.sh agent,operator
+scripts/kube-apiserver.sh build >/dev/null  # the first time only: about 5.5 minutes, cached
+exec .venv/bin/python scripts/e2e_demo.py "$@"

@@ -178,6 +178,8 @@ class Guard:
         """Set when check 3 failed: the replicas' weights differ, and no later step can
         be clean until the job restores a checkpoint (see :meth:`restore`)."""
         self._in_step = False
+        self._settling = False  # in _settle: the hook only all-reduces
+        self._settle_buckets = False  # set by restore: the next step settles DDP's buckets
         self._grad_verdicts: list[Verdict] = []
         self._audited_clean = False
         self._replay_unavailable = False
@@ -209,6 +211,9 @@ class Guard:
         elif len(micro_batches) == 0:
             raise ConfigError("micro_batches: must hold at least one micro-batch")
         count = len(micro_batches)
+        if self._settle_buckets:
+            self._settle_buckets = False
+            self._settle(micro_batches[0])
         self.optimizer.zero_grad(set_to_none=True)
         self._simple_step = True
         try:
@@ -409,6 +414,13 @@ class Guard:
         self.weights_diverged = False
         self._reported_weight_suspects = ()
         self._verified = {"weights": step, "replay": step}
+        # A fresh DDP model reduces its first step's gradients in its initial bucket layout,
+        # then rebuilds the buckets in the order gradients became ready. The all-reduce
+        # sums element by element in an order that depends on the element's place in the
+        # bucket, so (with more than two ranks) that first step is not bitwise the step an
+        # uninterrupted run took at this point. The next Guard.step settles the layout
+        # first (see _settle), so a resumed run reproduces an uninterrupted one exactly.
+        self._settle_buckets = True
         if self.reporter is not None:
             self.reporter.submit(
                 ResumeReport(
@@ -577,10 +589,39 @@ class Guard:
                     offset = start // tensor.element_size()
                     corrupt_(tensor.view(-1)[offset : offset + grad.numel()], spec)
 
+    def _settle(self, batch: Any) -> None:
+        """One forward and backward that is not a step, so DDP rebuilds its buckets before
+        the first real step after :meth:`restore`: gradients, RNG and buffers (BatchNorm
+        statistics) are put back, no check runs, no step is counted."""
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        self._settling = True
+        try:
+            assert self.loss_fn is not None  # Guard.step checked it
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loss_fn(self.model, batch).backward()
+        finally:
+            self._settling = False
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers, strict=True):
+                    b.copy_(saved)
+
     def _comm_hook(
         self, _state: object, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if self._settling:  # the same arithmetic, nothing observed or injected
+            buffer.mul_(1.0 / self.world_size)
+            return (
+                dist.all_reduce(buffer, group=self.group, async_op=True)
+                .get_future()
+                .then(lambda f: f.value()[0])
+            )
         if self._injector:
             self._inject_grad("grad_local", bucket, buffer)
         self._audit.observe_bucket(bucket)

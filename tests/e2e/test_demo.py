@@ -1,0 +1,71 @@
+"""The README's main command, as CI runs it: scripts/e2e_demo.py end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "e2e_demo.py"),
+            "--json",
+            str(out),
+            "--keep",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    demo = json.loads(out.read_text())
+    assert demo["problems"] == []
+
+    # no fault: no incident, no node touched
+    clean = demo["clean"]
+    assert clean["finished"] and clean["incidents"] == []
+    assert clean["nodes_after"] == clean["nodes_before"]
+
+    # the fault: the incident names the faulty rank's node and its instance id
+    faulty, bad = demo["faulty"], demo["faulty_node"]
+    (incident,) = faulty["incidents"]
+    status = incident["status"]
+    assert (status["node"], status["instanceId"], status["ranks"]) == (
+        bad,
+        demo["instances"][bad],
+        "3",
+    )
+    # the job was suspended, the node cordoned and tainted
+    assert faulty["stopped_for_suspend"] == 1
+    assert [a["action"] for a in status["actions"]][:3] == [
+        "suspend-job",
+        "quarantine-node",
+        "resume-job",
+    ]
+    labels, _, taints, unschedulable = faulty["nodes_after"][bad]
+    assert unschedulable is True and labels["hyperpod-sdc.dev/suspect"] == "true"
+    assert {"key": "hyperpod-sdc.dev/suspect", "value": "true", "effect": "NoSchedule"} in taints
+    # resumed on the spare node, from the newest checkpoint at or before the last clean step
+    first, second = faulty["placements"]
+    spare = demo["nodes"][3]
+    assert bad in first and spare not in first and bad not in second and spare in second
+    last_clean = incident["spec"]["lastCleanStep"]
+    assert (
+        status["resumeCheckpoint"]["step"]
+        == status["resumedFromStep"]
+        == faulty["result"]["resumed_from"]
+    )
+    assert status["resumedFromStep"] <= last_clean and last_clean - status["resumedFromStep"] < 10
+    assert status["phase"] == "Resumed"
+    # finished, with the weights of the run without the fault, bit for bit
+    assert faulty["finished"]
+    assert faulty["result"]["sha256"] == clean["result"]["sha256"]
+    assert "llama-demo" in demo["table"] and "Resumed" in demo["table"]
