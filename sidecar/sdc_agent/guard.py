@@ -179,7 +179,8 @@ class Guard:
         be clean until the job restores a checkpoint (see :meth:`restore`)."""
         self._in_step = False
         self._settling = False  # in _settle: the hook only all-reduces
-        self._settle_buckets = False  # set by restore: the next step settles DDP's buckets
+        # A resumed job (start_step, restore): the next step first settles DDP's buckets.
+        self._settle_buckets = start_step > 0
         self._grad_verdicts: list[Verdict] = []
         self._audited_clean = False
         self._replay_unavailable = False
