@@ -323,7 +323,9 @@ class IncidentEngine:
             return Outcome("Skipped", message, ("Resumed", "False", reason, message))
         assert checkpoint is not None
         how = "lifted runPolicy.suspend"
-        reactivated = await self._activate_workloads(job) if jobs.is_kueue_managed(job) else None
+        reactivated = (
+            await self._set_workloads_active(job, True) if jobs.is_kueue_managed(job) else None
+        )
         if reactivated is not None:
             how = reactivated
         elif (patch := jobs.unsuspend_patch(job)) is not None:
@@ -345,12 +347,14 @@ class IncidentEngine:
             {"resumeCheckpoint": checkpoint},
         )
 
-    async def _activate_workloads(self, job: dict[str, Any]) -> str | None:
+    async def _set_workloads_active(self, job: dict[str, Any], active: bool) -> str | None:
+        """Deactivate (stop) or reactivate (resume) the Kueue Workloads the job owns; what
+        was done, or ``None`` when it owns none."""
         owned = await self._workloads_of(job)
         if not owned:
             return None
         for workload in owned:
-            patch = jobs.activate_workload_patch(workload)
+            patch = jobs.workload_active_patch(workload, active)
             if patch is not None:
                 await self.kube.patch_object(
                     jobs.KUEUE_WORKLOAD_API,
@@ -360,27 +364,18 @@ class IncidentEngine:
                     patch,
                 )
         names = ", ".join(w["metadata"]["name"] for w in owned)
-        return f"reactivated Kueue Workload {names} (spec.active=true)"
+        verb = "reactivated" if active else "deactivated"
+        return f"{verb} Kueue Workload {names} (spec.active={str(active).lower()})"
 
     async def _suspend_job(self, incident: dict[str, Any]) -> tuple[str, str]:
         job, why = await self._job(incident)
         if job is None:
             return "Skipped", why
-        if jobs.is_kueue_managed(job) and (owned := await self._workloads_of(job)):
-            for workload in owned:
-                patch = jobs.deactivate_workload_patch(workload)
-                if patch is not None:
-                    await self.kube.patch_object(
-                        jobs.KUEUE_WORKLOAD_API,
-                        jobs.KUEUE_WORKLOAD_PLURAL,
-                        job["metadata"]["namespace"],
-                        workload["metadata"]["name"],
-                        patch,
-                    )
-            names = ", ".join(w["metadata"]["name"] for w in owned)
-            done = f"deactivated Kueue Workload {names} (spec.active=false)"
-            await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
-            return "Succeeded", done
+        if jobs.is_kueue_managed(job):
+            done = await self._set_workloads_active(job, False)
+            if done is not None:
+                await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
+                return "Succeeded", done
         patch = jobs.suspend_patch(job)
         if patch is None:
             return "Succeeded", "runPolicy.suspend was already true"

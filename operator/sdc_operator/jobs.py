@@ -23,12 +23,10 @@ from .names import (
 __all__ = [
     "JOB_KINDS",
     "KUEUE_QUEUE_LABEL",
-    "deactivate_workload_patch",
     "is_enabled",
     "is_kueue_managed",
     "is_suspended",
     "job_owner",
-    "activate_workload_patch",
     "auto_resume_refusal",
     "checkpoint_patch",
     "newest_checkpoint",
@@ -37,6 +35,7 @@ __all__ = [
     "suspend_patch",
     "unsuspend_patch",
     "verified_checkpoints",
+    "workload_active_patch",
 ]
 
 REPLICA_SPECS = "pytorchReplicaSpecs"
@@ -65,12 +64,13 @@ def is_kueue_managed(job: dict[str, Any]) -> bool:
     return bool(((job.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL))
 
 
-def deactivate_workload_patch(workload: dict[str, Any]) -> dict[str, Any] | None:
+def workload_active_patch(workload: dict[str, Any], active: bool) -> dict[str, Any] | None:
     """Merge patch that deactivates a Kueue Workload (Kueue then evicts and suspends its
-    job), or ``None`` if it is inactive already."""
-    if (workload.get("spec") or {}).get("active") is False:
+    job) or reactivates it, or ``None`` if it is so already (a Workload is active unless
+    ``spec.active`` is false)."""
+    if ((workload.get("spec") or {}).get("active") is not False) == active:
         return None
-    return {"spec": {"active": False}}
+    return {"spec": {"active": active}}
 
 
 def is_enabled(job: dict[str, Any]) -> bool:
@@ -150,12 +150,6 @@ def unsuspend_patch(job: dict[str, Any]) -> dict[str, Any] | None:
     if not is_suspended(job):
         return None
     return {"spec": {"runPolicy": {"suspend": False}}}
-
-
-def activate_workload_patch(workload: dict[str, Any]) -> dict[str, Any] | None:
-    if (workload.get("spec") or {}).get("active") is not False:
-        return None
-    return {"spec": {"active": True}}
 
 
 def auto_resume_refusal(job: dict[str, Any]) -> tuple[str, str] | None:

@@ -40,10 +40,11 @@ def make_job(
     enabled: bool = True,
     n: int = 3,
     kind: str = "PyTorchJob",
+    job_labels: dict[str, str] | None = None,
     **node_kw: Any,
 ) -> Job:
     nodes = [cluster.node(**node_kw) for _ in range(n)]
-    body = cluster.job(namespace, name, enabled=enabled, replicas=n, kind=kind)
+    body = cluster.job(namespace, name, enabled=enabled, replicas=n, kind=kind, labels=job_labels)
     pods = [f"{name}-master-0"] + [f"{name}-worker-{i}" for i in range(n - 1)]
     for pod, node in zip(pods, nodes, strict=True):
         cluster.pod(namespace, pod, node["metadata"]["name"], body)
@@ -232,43 +233,49 @@ def test_verdict_from_two_nodes_reporters_is_contained(
     assert "hyperpod_sdc_report_to_contained_seconds_count 1.0" in metrics
 
 
-def test_kueue_managed_job_is_stopped_through_its_workload(
-    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
-) -> None:
-    nodes = [cluster.node() for _ in range(3)]
-    body = cluster.job(namespace, "queued", labels={"kueue.x-k8s.io/queue-name": "team-a"})
-    pods = ["queued-master-0", "queued-worker-0", "queued-worker-1"]
-    for pod, node in zip(pods, nodes, strict=True):
-        cluster.pod(namespace, pod, node["metadata"]["name"], body)
-    job = Job(namespace, "queued", body, nodes, pods)
+WORKLOAD = "pytorchjob-queued-1a2b3"
+
+
+def make_queued_job(cluster: Cluster, namespace: str) -> Job:
+    """A job Kueue manages: its queue label, and the Workload Kueue made for it."""
+    job = make_job(cluster, namespace, "queued", job_labels={"kueue.x-k8s.io/queue-name": "team-a"})
+    meta = job.body["metadata"]
     owner = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "name": "queued",
-        "uid": body["metadata"]["uid"],
+        "name": meta["name"],
+        "uid": meta["uid"],
         "controller": True,
     }
     workload = {
         "apiVersion": "kueue.x-k8s.io/v1beta1",
         "kind": "Workload",
-        "metadata": {"name": "pytorchjob-queued-1a2b3", "ownerReferences": [owner]},
+        "metadata": {"name": WORKLOAD, "ownerReferences": [owner]},
         "spec": {"queueName": "team-a"},
     }
     cluster.custom.create_namespaced_custom_object(
         "kueue.x-k8s.io", "v1beta1", namespace, "workloads", workload
     )
+    return job
+
+
+def workload_active(cluster: Cluster, namespace: str) -> bool:
+    got = cluster.custom.get_namespaced_custom_object(
+        "kueue.x-k8s.io", "v1beta1", namespace, "workloads", WORKLOAD
+    )
+    return bool(got["spec"]["active"])
+
+
+def test_kueue_managed_job_is_stopped_through_its_workload(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_queued_job(cluster, namespace)
     op = start_operator()
     for reporter in (0, 2):
         assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
     incident = incident_in(cluster, namespace, "Contained")
-    assert (
-        "deactivated Kueue Workload pytorchjob-queued-1a2b3"
-        in incident["status"]["actions"][0]["message"]
-    )
-    got = cluster.custom.get_namespaced_custom_object(
-        "kueue.x-k8s.io", "v1beta1", namespace, "workloads", "pytorchjob-queued-1a2b3"
-    )
-    assert got["spec"]["active"] is False
+    assert f"deactivated Kueue Workload {WORKLOAD}" in incident["status"]["actions"][0]["message"]
+    assert workload_active(cluster, namespace) is False
     # Kueue, not the operator, suspends the job once its Workload is inactive
     assert cluster.get_job(namespace, "queued")["spec"]["runPolicy"]["suspend"] is False
 

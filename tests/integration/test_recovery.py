@@ -10,7 +10,15 @@ from typing import Any
 from sdc_agent.protocol import CheckpointReport, ReporterIdentity, ResumeReport, encode_report
 
 from .cluster import Cluster, OperatorProcess, post, wait_for
-from .test_containment import Job, make_job, send, verdict
+from .test_containment import (
+    WORKLOAD,
+    Job,
+    make_job,
+    make_queued_job,
+    send,
+    verdict,
+    workload_active,
+)
 
 RESUME_ENV = "HYPERPOD_SDC_RESUME_MAX_STEP"
 
@@ -213,4 +221,19 @@ def test_resume_past_the_window_is_flagged(
     assert (
         next(c for c in incident["status"]["conditions"] if c["type"] == "Resumed")["reason"]
         == "ResumedPastWindow"
+    )
+
+
+def test_kueue_managed_job_is_resumed_through_its_workload(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_queued_job(cluster, namespace)
+    op = start_operator()
+    checkpoint(cluster, op, job, 10)
+    contain(cluster, op, job)
+    incident = resume_condition(cluster, job, "Unknown")
+    assert f"reactivated Kueue Workload {WORKLOAD}" in incident["status"]["actions"][-1]["message"]
+    assert workload_active(cluster, namespace) is True
+    assert (
+        env_of(cluster.get_job(namespace, job.name)) == [[{"name": RESUME_ENV, "value": "10"}]] * 2
     )

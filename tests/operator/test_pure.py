@@ -17,6 +17,7 @@ from sdc_operator.jobs import (
     suspend_patch,
     unsuspend_patch,
     verified_checkpoints,
+    workload_active_patch,
 )
 from sdc_operator.nodes import (
     health_label_patch,
@@ -278,3 +279,11 @@ def test_health_label_asks_hyperpod_to_act() -> None:
     }
     assert health_label_patch(apply(NODE, patch), "replace") is None
     assert health_label_patch(apply(NODE, patch), "reboot") is not None
+
+
+def test_workload_active_patch() -> None:
+    fresh: dict[str, Any] = {"spec": {"queueName": "q"}}  # active unless spec.active is false
+    assert workload_active_patch(fresh, True) is None
+    stopped = apply(fresh, workload_active_patch(fresh, False) or {})
+    assert stopped["spec"]["active"] is False and workload_active_patch(stopped, False) is None
+    assert apply(stopped, workload_active_patch(stopped, True) or {})["spec"]["active"] is True
