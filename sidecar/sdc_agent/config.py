@@ -49,8 +49,9 @@ _ENV_OF_FIELD = {
     "heartbeat_every": HEARTBEAT_EVERY_ENV,
 }
 
-# Every HYPERPOD_SDC_* name the project reads, agent and operator; anything else with the
-# prefix is probably a typo and draws a warning.
+# Every HYPERPOD_SDC_* name the agent reads, and the one the operator sets in its pods;
+# anything else with the prefix in a training pod is probably a typo and draws a warning.
+# (The operator's own settings, sdc_operator.settings, live in the operator's pod.)
 KNOWN_ENV: frozenset[str] = frozenset(
     {
         *_ENV_OF_FIELD.values(),
