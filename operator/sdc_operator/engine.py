@@ -60,6 +60,18 @@ class Outcome:
         return status
 
 
+def _released(result: str, message: str) -> Outcome:
+    """A node given back (or found gone or held by another incident): the end of it."""
+    return Outcome(
+        result, message, ("Remediated", "True", "Released", message), {"phase": "Released"}
+    )
+
+
+def _remediation_failed(message: str) -> Outcome:
+    """Retried after a back-off (incidents.retry_at)."""
+    return Outcome("Failed", message, ("Remediated", "False", "RemediationFailed", message))
+
+
 class IncidentEngine:
     def __init__(
         self,
@@ -507,14 +519,10 @@ class IncidentEngine:
                     if not instance
                     else f"no {HYPERPOD_CLUSTER_LABEL} label and no HYPERPOD_SDC_CLUSTER_NAME"
                 )
-                return Outcome(
-                    "Failed", message, ("Remediated", "False", "RemediationFailed", message)
-                )
+                return _remediation_failed(message)
             ok, message = await self.hyperpod.remediate(kind, cluster, instance)
             if not ok:
-                return Outcome(
-                    "Failed", message, ("Remediated", "False", "RemediationFailed", message)
-                )
+                return _remediation_failed(message)
         await self._event(node, f"SDCNode{done}", message, True)
         return Outcome(
             "Succeeded", message, ("Remediated", "True", done, message), {"phase": "Remediated"}
@@ -526,32 +534,20 @@ class IncidentEngine:
         except Exception as exc:
             if is_not_found(exc):
                 message = f"node {node_name} no longer exists"
-                return Outcome(
-                    "Skipped",
-                    message,
-                    ("Remediated", "True", "Released", message),
-                    {"phase": "Released"},
-                )
+                return _released("Skipped", message)
             raise
         annotations = node["metadata"].get("annotations") or {}
         if annotations.get(INCIDENT_ANNOTATION, self._ref(incident)) != self._ref(incident):
             holder = annotations[INCIDENT_ANNOTATION]
             message = f"node {node_name} is held by incident {holder} now; left as it is"
-            return Outcome(
-                "Skipped",
-                message,
-                ("Remediated", "True", "Released", message),
-                {"phase": "Released"},
-            )
+            return _released("Skipped", message)
         patch = nodes.release_patch(node)
         if patch is not None:
             await self.kube.patch_node(node_name, patch)
             await self.refresh_quarantined()
         message = f"released {node_name} after review: cordon, taint, label and annotation removed"
         await self._event(node, "SDCNodeReleased", message, False)
-        return Outcome(
-            "Succeeded", message, ("Remediated", "True", "Released", message), {"phase": "Released"}
-        )
+        return _released("Succeeded", message)
 
     async def refresh_quarantined(self) -> None:
         quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
