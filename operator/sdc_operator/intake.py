@@ -113,9 +113,7 @@ class Intake:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise Refusal(413, "too_large", f"report is larger than {limit} bytes")
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            raise Refusal(413, "too_large", f"report is larger than {limit} bytes")
+        raw = await read_body(request, limit)
 
         identity = await self._authenticate(request.headers.get("Authorization", ""))
         pod = await self._pod(identity)
@@ -303,6 +301,25 @@ class Intake:
                 return None, f"node {node_name} does not exist"
             raise
         return await self.resolver.instance_id(node)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, however many TCP segments or TLS records it arrives in; a body
+    over ``limit`` bytes is refused as soon as it is known to be one.
+
+    ``request.content.read(n)`` returns what is buffered so far, not the body: a report
+    split across two writes would otherwise be parsed half-read.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(limit + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise Refusal(413, "too_large", f"report is larger than {limit} bytes")
+        chunks.append(chunk)
 
 
 def json_error_middleware() -> Callable[..., Awaitable[web.StreamResponse]]:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -334,3 +335,69 @@ def post(
             return response.status, json.loads(response.read()), dict(response.headers)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}"), dict(exc.headers)
+
+
+def post_split(
+    url: str,
+    body: bytes,
+    token: str,
+    *,
+    pieces: int = 2,
+    delay: float = 0.01,
+    context: ssl.SSLContext | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """POST a report the way a slow or busy network delivers it: the headers, then the
+    body in ``pieces`` writes ``delay`` seconds apart (separate TCP segments, and separate
+    TLS records over HTTPS)."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    head = (
+        f"POST /v1/reports HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    raw = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock: socket.socket = (
+        context.wrap_socket(raw, server_hostname=parts.hostname) if context else raw
+    )
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(head)
+        size = -(-len(body) // pieces)
+        for start in range(0, len(body), size):
+            time.sleep(delay)
+            sock.sendall(body[start : start + size])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    _, _, payload = rest.partition(b"\r\n\r\n")
+    return int(status_line.split()[1]), json.loads(payload or b"{}")
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """(key, certificate) for the operator's HTTPS intake on 127.0.0.1."""
+    key, cert = directory / "tls.key", directory / "tls.crt"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hyperpod-sdc",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert

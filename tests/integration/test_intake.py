@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import pytest
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
 
-from .cluster import Cluster, OperatorProcess, post
+from .cluster import Cluster, OperatorProcess, post, post_split, self_signed_cert
 from .test_containment import Job, incident_in, make_job, send, verdict
 
 
@@ -285,29 +287,7 @@ def test_training_problem_accuses_nobody(
 def test_https_intake_with_the_agents_reporter(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
 ) -> None:
-    key, cert = tmp_path / "tls.key", tmp_path / "tls.crt"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=hyperpod-sdc",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    key, cert = self_signed_cert(tmp_path)
     job = make_job(cluster, namespace)
     op = start_operator(tls_cert_file=str(cert), tls_key_file=str(key), scheme="https")
     token_file = tmp_path / "token"
@@ -333,3 +313,41 @@ def test_bad_setting_stops_the_operator_with_a_clear_message() -> None:
     )
     assert done.returncode == 2
     assert "HYPERPOD_SDC_AGREEMENT_NODES: expected an integer, got 'none'" in done.stderr
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_report_split_across_segments_and_records_is_accepted(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
+    scheme: str,
+) -> None:
+    """A verdict whose body arrives in several writes 10 ms apart (as a busy network or
+    TLS delivers a 58 KB report) is read whole, not parsed half-read."""
+    job = make_job(cluster, namespace)
+    context = None
+    settings: dict[str, str] = {}
+    if scheme == "https":
+        key, cert = self_signed_cert(tmp_path)
+        settings = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+        context = ssl.create_default_context(cafile=str(cert))
+    op = start_operator(scheme=scheme, **settings)
+    big = verdict(job, 0)
+    big = dataclasses.replace(big, evidence={"padding": "x" * 50_000})
+    body = encode_report(big)
+    assert len(body) > 50_000
+    for reporter, pieces in ((0, 2), (2, 7)):
+        report = dataclasses.replace(
+            big,
+            reporter=ReporterIdentity(reporter * 2, job.node_name(reporter), job.pods[reporter]),
+        )
+        status, answer = post_split(
+            op.url,
+            encode_report(report),
+            cluster.token(namespace, job.pods[reporter]),
+            pieces=pieces,
+            context=context,
+        )
+        assert (status, answer.get("accepted")) == (202, "verdict"), answer
+    incident_in(cluster, namespace, "Contained")
