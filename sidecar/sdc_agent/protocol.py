@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -50,6 +51,8 @@ MAX_REPORT_BYTES = 64 * 1024
 CHECKS = ("nonfinite", "replay", "weights")
 CLASSIFICATIONS = ("rank", "collective", "training", "replica", "nondeterministic")
 KINDS = ("verdict", "heartbeat", "checkpoint", "resume")
+FINGERPRINT_KERNELS = ("compiled", "eager")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_MESSAGE = 4096
 _MAX_TEXT = MAX_MESSAGE
 _MAX_NAME = 253  # a Kubernetes object name
@@ -90,6 +93,19 @@ class VerdictReport:
     suspects: tuple[Suspect, ...]
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    corroborated: bool | None = None
+    """An independent recomputation on another node supports accusing ``suspects``
+    (replay audit: mismatches on two different nodes, or a third node's tie-break;
+    non-finite check: the suspect's micro-batch replayed finite elsewhere and non-finite
+    again on the suspect). False: the evidence is one observation (one collective, one
+    computation); null: unknown (agents before this field). The operator quarantines only
+    on corroborated verdicts."""
+    run_id: str | None = None
+    """Identifies one run of the job's processes (new after every restart, the same on
+    every rank); a verdict from a later run never folds into an earlier run's incident."""
+    bundle: str | None = None
+    """Where the evidence bundle that recomputes the audited micro-batch is (or is being)
+    written, for a confirmation run on the suspect node."""
     kind: str = "verdict"
     version: int = PROTOCOL_VERSION
 
@@ -106,6 +122,19 @@ class HeartbeatReport:
     last_clean_step: int
     check_seconds: dict[str, float] = field(default_factory=dict)
     """Time spent in each check since the previous heartbeat."""
+    interval_seconds: float | None = None
+    """Wall-clock seconds since the previous heartbeat (or the start): with
+    ``check_seconds``, the checks' share of the step time."""
+    fingerprint_kernel: str | None = None
+    """``compiled`` or ``eager``: which fingerprint kernel runs (eager is the slow path)."""
+    gradient_tolerance: float | None = None
+    """The replay audit's detection threshold in force for gradients: relative
+    differences at or below it count as run-to-run noise, not evidence. 0: the job is
+    bit-reproducible and any difference is evidence; null: not measured yet."""
+    bit_reproducible: bool | None = None
+    """Whether the audit has found the job bit-reproducible across processes."""
+    run_id: str | None = None
+    """As in a verdict."""
     kind: str = "heartbeat"
     version: int = PROTOCOL_VERSION
 
@@ -145,6 +174,7 @@ Report = VerdictReport | HeartbeatReport | CheckpointReport | ResumeReport
 def _obj(value: Any, path: str, required: set[str], optional: set[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError(path or "report", f"must be a JSON object, got {_kind(value)}")
+    _no_duplicates(value, path)
     for key in sorted(value, key=str):
         if not isinstance(key, str):
             raise ProtocolError(path or "report", f"has a key that is not a string: {key!r}")
@@ -254,9 +284,19 @@ _ENVELOPE = {"version", "kind", "sent_at", "reporter"}
 _FIELDS = {
     "verdict": (
         {"check", "classification", "step", "last_clean_step", "localized", "suspects", "message"},
-        {"transient", "evidence"},
+        {"transient", "evidence", "corroborated", "run_id", "bundle"},
     ),
-    "heartbeat": ({"step", "last_clean_step"}, {"check_seconds"}),
+    "heartbeat": (
+        {"step", "last_clean_step"},
+        {
+            "check_seconds",
+            "interval_seconds",
+            "fingerprint_kernel",
+            "gradient_tolerance",
+            "bit_reproducible",
+            "run_id",
+        },
+    ),
     "checkpoint": ({"step", "location", "verified"}, set()),
     "resume": ({"step"}, {"location"}),
 }
@@ -279,7 +319,9 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         if size > MAX_REPORT_BYTES:
             raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
         try:
-            data = json.loads(data, parse_constant=_reject_constant)
+            data = json.loads(
+                data, parse_constant=_reject_constant, object_pairs_hook=_object_pairs
+            )
         except ProtocolError:
             raise
         except json.JSONDecodeError as exc:
@@ -290,6 +332,7 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
             ) from None
     if not isinstance(data, dict):
         raise ProtocolError("report", f"must be a JSON object, got {_kind(data)}")
+    _no_duplicates(data, "")
     if "version" not in data:
         raise ProtocolError("version", "is required")
     version = data["version"]
@@ -307,6 +350,7 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         seconds = d.get("check_seconds", {})
         if not isinstance(seconds, dict):
             raise ProtocolError("check_seconds", f"must be an object, got {_kind(seconds)}")
+        _no_duplicates(seconds, "check_seconds")
         for name in seconds:
             _choice(name, f"check_seconds.{name}", CHECKS)
         step = _int(d["step"], "step")
@@ -316,6 +360,15 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
             step=step,
             last_clean_step=_clean_step(d["last_clean_step"], step),
             check_seconds={k: _num(v, f"check_seconds.{k}") for k, v in seconds.items()},
+            interval_seconds=_opt_num(d.get("interval_seconds"), "interval_seconds"),
+            fingerprint_kernel=(
+                None
+                if d.get("fingerprint_kernel") is None
+                else _choice(d["fingerprint_kernel"], "fingerprint_kernel", FINGERPRINT_KERNELS)
+            ),
+            gradient_tolerance=_opt_num(d.get("gradient_tolerance"), "gradient_tolerance"),
+            bit_reproducible=_bool(d.get("bit_reproducible"), "bit_reproducible", nullable=True),
+            run_id=_run_id(d.get("run_id")),
         )
     if kind == "resume":
         return ResumeReport(
@@ -354,7 +407,51 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         suspects=tuple(_suspect(s, f"suspects[{i}]") for i, s in enumerate(suspects)),
         message=_req_str(d["message"], "message", _MAX_TEXT),
         evidence=evidence,
+        corroborated=_bool(d.get("corroborated"), "corroborated", nullable=True),
+        run_id=_run_id(d.get("run_id")),
+        bundle=_str(d.get("bundle"), "bundle", limit=_MAX_TEXT, nullable=True),
     )
+
+
+def _opt_num(value: Any, path: str) -> float | None:
+    return None if value is None else _num(value, path)
+
+
+def _run_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _RUN_ID.match(value):
+        raise ProtocolError(
+            "run_id",
+            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with one of the first two",
+        )
+    return value
+
+
+class _Object(dict[str, Any]):
+    """A decoded JSON object that remembers keys given more than once (JSON allows it,
+    ``json.loads`` keeps the last one silently; a report that says ``"kind"`` twice must
+    not mean whichever a parser happens to keep)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _object_pairs(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        repeated: list[str] = []
+        for key, _ in pairs:
+            if key in seen and key not in repeated:
+                repeated.append(key)
+            seen.add(key)
+        obj.duplicates = tuple(repeated)
+    return obj
+
+
+def _no_duplicates(value: Any, path: str) -> None:
+    for key in getattr(value, "duplicates", ()):
+        raise ProtocolError(_join(path, key), "is given more than once")
 
 
 def _json_value(value: Any, path: str, depth: int = 0) -> None:
@@ -368,6 +465,7 @@ def _json_value(value: Any, path: str, depth: int = 0) -> None:
             raise ProtocolError(path, "must not hold NaN or infinity")
         return
     if isinstance(value, dict):
+        _no_duplicates(value, path)
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ProtocolError(path, f"has a key that is not a string: {key!r}")
@@ -391,12 +489,28 @@ def _reject_constant(name: str) -> Any:
     raise ProtocolError("report", f"is not valid JSON ({name} is not a JSON number)")
 
 
+# Optional fields added after the first release: left out when unset, so a report that
+# does not use them reads exactly as it did.
+_OMITTED_WHEN_NULL = (
+    "corroborated",
+    "run_id",
+    "bundle",
+    "interval_seconds",
+    "fingerprint_kernel",
+    "gradient_tolerance",
+    "bit_reproducible",
+)
+
+
 def encode_report(report: Report) -> bytes:
     """The report as compact JSON bytes; raises :class:`ProtocolError` for anything the
     receiving side would refuse (too large, too long a message, too many suspects)."""
     body = asdict(report)
     if isinstance(report, VerdictReport):
         body["suspects"] = [asdict(s) for s in report.suspects]
+    for key in _OMITTED_WHEN_NULL:
+        if key in body and body[key] is None:
+            del body[key]
     try:
         data = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
@@ -434,6 +548,7 @@ def report_schema() -> dict[str, Any]:
         }
 
     text = {"type": "string", "minLength": 1, "maxLength": _MAX_TEXT}
+    run_id = {"type": ["string", "null"], "pattern": _RUN_ID.pattern}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://hyperpod-sdc.dev/schemas/report-v1.json",
@@ -479,6 +594,9 @@ def report_schema() -> dict[str, Any]:
                     },
                     "message": text,
                     "evidence": {"type": "object"},
+                    "corroborated": {"type": ["boolean", "null"]},
+                    "run_id": run_id,
+                    "bundle": {"type": ["string", "null"], "minLength": 1, "maxLength": _MAX_TEXT},
                 },
             ),
             kind(
@@ -492,6 +610,11 @@ def report_schema() -> dict[str, Any]:
                         "propertyNames": {"enum": list(CHECKS)},
                         "additionalProperties": {"type": "number", "minimum": 0},
                     },
+                    "interval_seconds": {"type": ["number", "null"], "minimum": 0},
+                    "fingerprint_kernel": {"enum": [*FINGERPRINT_KERNELS, None]},
+                    "gradient_tolerance": {"type": ["number", "null"], "minimum": 0},
+                    "bit_reproducible": {"type": ["boolean", "null"]},
+                    "run_id": run_id,
                 },
             ),
             kind(

@@ -257,3 +257,67 @@ def test_encode_refuses_what_the_operator_would_refuse() -> None:
 
     with pytest.raises(ProtocolError, match="^message:"):
         encode_report(dataclasses.replace(report, message="x" * 5000))
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        # "kind" twice must not turn a heartbeat into a verdict (or anything else).
+        ('{"version":1,"kind":"heartbeat","kind":"verdict"}', "kind"),
+        ('{"version":1,"version":1,"kind":"resume"}', "version"),
+        (
+            '{"version":1,"kind":"resume","sent_at":1,"step":2,'
+            '"reporter":{"rank":0,"node":"a","node":"b"}}',
+            "reporter.node",
+        ),
+        (
+            '{"version":1,"kind":"heartbeat","sent_at":1,"reporter":{"rank":0,"node":"a"},'
+            '"step":2,"last_clean_step":1,"check_seconds":{"replay":1,"replay":2}}',
+            "check_seconds.replay",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_by_name(raw: str, field: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_report(raw)
+    assert caught.value.field == field
+    assert "more than once" in str(caught.value)
+
+
+def test_a_key_given_twice_inside_evidence_is_refused() -> None:
+    raw = json.dumps(VERDICT).replace('"evidence": {', '"evidence": {"mismatches": [], ', 1)
+    with pytest.raises(ProtocolError, match=r"^evidence\.mismatches: is given more than once"):
+        parse_report(raw)
+
+
+def test_the_optional_fields_of_this_wave_round_trip() -> None:
+    verdict = dict(VERDICT, corroborated=True, run_id="r-7f3a", bundle="/fsx/ckpt/sdc/b1")
+    heartbeat = dict(
+        HEARTBEAT,
+        interval_seconds=12.5,
+        fingerprint_kernel="eager",
+        gradient_tolerance=3e-6,
+        bit_reproducible=False,
+        run_id="r-7f3a",
+    )
+    for doc in (verdict, heartbeat):
+        report = parse_report(json.dumps(doc))
+        assert json.loads(encode_report(report)) == doc
+        jsonschema.validate(doc, report_schema())
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"run_id": "../etc"}, "run_id"),
+        ({"run_id": "x" * 65}, "run_id"),
+        ({"fingerprint_kernel": "triton"}, "fingerprint_kernel"),
+        ({"gradient_tolerance": -1}, "gradient_tolerance"),
+        ({"interval_seconds": "soon"}, "interval_seconds"),
+        ({"bit_reproducible": "yes"}, "bit_reproducible"),
+    ],
+)
+def test_bad_optional_heartbeat_fields_are_named(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_report(json.dumps(dict(HEARTBEAT, **change)))
+    assert caught.value.field == field
