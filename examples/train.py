@@ -56,6 +56,15 @@ def main() -> None:
     sdc_agent.enable_determinism()  # before CUDA is used: the replay audit compares bits
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
+    train(args, cuda)  # the model and its DDP reducer are gone when it returns
+    # Wait for every rank before tearing down: gloo can abort a process whose peers
+    # close their connections while it is still shutting down, or whose DDP reducer
+    # still holds gloo work when the interpreter exits (seen with torch 2.13).
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, cuda: bool) -> None:
     rank = dist.get_rank()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -98,8 +107,6 @@ def main() -> None:
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         outcome = {"steps": args.steps, "resumed_from": start, "sha256": digest.hexdigest()}
         args.result_file.write_text(json.dumps(outcome))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
