@@ -1,0 +1,98 @@
+"""Which pods the training operator created: a signed annotation the webhook writes.
+
+A pod's controller owner reference is written by whoever creates the pod, so it proves
+nothing by itself: anyone who may create pods in a namespace could point one at an
+opted-in job. The mutating webhook sees who creates each pod (``userInfo.username`` of
+the admission request). For a pod created by a trusted creator (the training operator's
+ServiceAccount) it writes::
+
+    hyperpod-sdc.dev/created-by:  <username>
+    hyperpod-sdc.dev/attestation: v1:<base64url of HMAC-SHA256(key, message)>
+    message = "v1|<namespace>|<name>|<controlling owner's uid>|<username>"
+
+and it strips both from every other creator's pod, so a copied or hand-written value does
+not survive admission. The HMAC binds the annotation to the pod's namespace, name (or
+``generateName`` when the name is assigned later), controlling owner and creator, so an
+attestation cannot be moved to another pod even where the webhook did not run. The key is
+the operator's (a Secret in its own namespace); tenants never see it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Mapping
+from typing import Any
+
+from .names import GROUP
+
+__all__ = [
+    "ATTESTATION_ANNOTATION",
+    "CREATED_BY_ANNOTATION",
+    "KEY_BYTES",
+    "attestation_for",
+    "sign",
+    "verify_pod",
+]
+
+ATTESTATION_ANNOTATION = f"{GROUP}/attestation"
+CREATED_BY_ANNOTATION = f"{GROUP}/created-by"
+KEY_BYTES = 32
+_VERSION = "v1"
+
+
+def sign(key: bytes, namespace: str, name: str, owner_uid: str, username: str) -> str:
+    """The attestation value for a pod with these facts."""
+    if len(key) < 16:
+        raise ValueError("attestation key: must be at least 16 bytes")
+    message = "|".join((_VERSION, namespace, name, owner_uid, username)).encode()
+    digest = hmac.new(key, message, hashlib.sha256).digest()
+    return f"{_VERSION}:" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _controller_uid(meta: Mapping[str, Any]) -> str | None:
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid") or "")
+    return None
+
+
+def attestation_for(key: bytes, pod: Mapping[str, Any], username: str) -> str | None:
+    """What the webhook writes on ``pod`` (as submitted for creation), or ``None`` for a
+    pod without a controlling owner or a name."""
+    meta = pod.get("metadata") or {}
+    name = meta.get("name") or meta.get("generateName")
+    owner = _controller_uid(meta)
+    if not name or not owner:
+        return None
+    return sign(key, str(meta.get("namespace") or ""), str(name), owner, username)
+
+
+def verify_pod(
+    key: bytes, pod: Mapping[str, Any], trusted_creators: frozenset[str] | set[str]
+) -> tuple[bool, str]:
+    """``(genuine, why)``: the pod carries a valid attestation by a trusted creator for its
+    own namespace, name (or generate name) and controlling owner."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    value = annotations.get(ATTESTATION_ANNOTATION)
+    username = annotations.get(CREATED_BY_ANNOTATION)
+    ref = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    if not value or not username:
+        return False, (
+            f"{ref} carries no {ATTESTATION_ANNOTATION}: the admission webhook did not see a "
+            "trusted pod creator make it"
+        )
+    if username not in trusted_creators:
+        return False, f"{ref} was created by {username}, not by a trusted pod creator"
+    owner = _controller_uid(meta)
+    if not owner:
+        return False, f"{ref} has no controlling owner"
+    namespace = str(meta.get("namespace") or "")
+    for name in (meta.get("name"), meta.get("generateName")):
+        if name and hmac.compare_digest(
+            value.encode(), sign(key, namespace, str(name), owner, username).encode()
+        ):
+            return True, f"{ref} was created by {username}"
+    return False, f"{ref} carries an attestation that does not match it"
