@@ -214,6 +214,8 @@ def wire_pod(pod: Mapping[str, Any], wiring: Wiring) -> dict[str, Any]:
         spec["volumes"] = volumes
     meta = out.setdefault("metadata", {})
     annotations = dict(meta.get("annotations") or {})
+    if not record.added and INJECTION_ANNOTATION in annotations:
+        return out  # wired already (a second webhook entry selected it too): say it once
     annotations[INJECTION_ANNOTATION] = json.dumps(
         {"added": record.added, "kept": record.kept}, separators=(",", ":")
     )

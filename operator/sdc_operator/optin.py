@@ -43,6 +43,8 @@ class OptIn:
         self.settings = settings
         self.serving = serving
         self.lookups = AdmissionLookups(kube, settings.webhook_cache_seconds)
+        self.publisher = CaPublisher(kube, settings.tls_ca_file) if settings.tls_ca_file else None
+        publisher = self.publisher
         self.webhook = PodWebhook(
             settings,
             self.lookups,
@@ -50,8 +52,8 @@ class OptIn:
             key=key,
             trusted_creators=trusted_creators,
             registry=registry,
+            ca_available=lambda: publisher is not None and publisher.current() is not None,
         )
-        self.publisher = CaPublisher(kube, settings.tls_ca_file) if settings.tls_ca_file else None
         if self.publisher is not None and self.publisher.current() is None:
             log.warning(
                 "the CA file %s is missing or empty: no CA is published until it appears",

@@ -269,20 +269,16 @@ class PodWebhook:
         key: Callable[[], bytes],
         trusted_creators: Callable[[], tuple[str, ...]],
         registry: CollectorRegistry,
+        ca_available: Callable[[], bool] = lambda: True,
     ) -> None:
         self.settings = settings
         self.lookups = lookups
         self.key = key
         self.trusted_creators = trusted_creators
-        self.wiring: Wiring | None = None
-        if settings.inject_operator_url:
-            self.wiring = Wiring(
-                operator_url=settings.inject_operator_url,
-                token_audience=token_audience,
-                token_expiration_seconds=settings.inject_token_expiration_seconds,
-                ca_configmap=CA_CONFIGMAP if settings.tls_ca_file else None,
-                containers=settings.inject_containers,
-            )
+        self.token_audience = token_audience
+        # A pod mounts the CA ConfigMap only while the operator has a CA to publish there:
+        # a volume of a ConfigMap that never appears would keep the pod from starting.
+        self.ca_available = ca_available
         self.reviews = Counter(
             "hyperpod_sdc_admission_reviews",
             "Pod admission reviews answered, by operation and outcome (injected, untouched: "
@@ -392,8 +388,21 @@ class PodWebhook:
             allow["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
         return allow, outcome
 
+    def wiring(self) -> Wiring | None:
+        if not self.settings.inject_operator_url:
+            return None
+        with_ca = bool(self.settings.tls_ca_file) and self.ca_available()
+        return Wiring(
+            operator_url=self.settings.inject_operator_url,
+            token_audience=self.token_audience,
+            token_expiration_seconds=self.settings.inject_token_expiration_seconds,
+            ca_configmap=CA_CONFIGMAP if with_ca else None,
+            containers=self.settings.inject_containers,
+        )
+
     async def _wire(self, pod: dict[str, Any], namespace: str) -> dict[str, Any] | None:
-        if self.wiring is None:
+        wiring = self.wiring()
+        if wiring is None:
             return None
         owner = jobs.job_owner(pod)
         if owner is None:
@@ -413,4 +422,4 @@ class PodWebhook:
                 admission.reason,
             )
             return None
-        return wire_pod(pod, self.wiring)
+        return wire_pod(pod, wiring)

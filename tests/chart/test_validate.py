@@ -17,13 +17,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.chart.test_chart import ALL_ON, CHART, ROOT, render
+from tests.chart.test_chart import ALL_ON, CERT_MANAGER, CHART, ROOT, TEST_CA, render
 
 VERSIONS = ("1.30.0", "1.33.0")
 CRD_DIR = ROOT / "tests" / "integration" / "crds"
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "all-optional-parts": ALL_ON,
+    "cert-manager": {**ALL_ON, **CERT_MANAGER},
+    "cert-manager-issuer": {"certManager": {"enabled": True, "issuerRef": {"name": "corp"}}},
+    "existing-secret": {"tls": {"existingSecret": "corp-tls", "caBundle": TEST_CA}},
+    "no-webhook-no-tls": {"tls": {"enabled": False}, "webhook": {"enabled": False}},
 }
 
 
@@ -116,3 +120,16 @@ def test_strict_validation_catches_a_misplaced_field() -> None:
     status["properties"]["resumedFrom"]["as the agent reported it."] = None
     with pytest.raises(kubernetes_validate.ValidationError, match="was unexpected"):
         kubernetes_validate.validate(crd, VERSIONS[0], strict=True)
+
+
+def test_custom_resources_are_checked_against_their_crd() -> None:
+    (serving, _) = sorted(
+        (d for d in render(CERT_MANAGER) if d["kind"] == "Certificate"),
+        key=lambda d: d["metadata"]["name"],
+        reverse=True,
+    )
+    assert serving["metadata"]["name"].endswith("-tls")
+    validate(serving, VERSIONS[0])
+    serving["spec"]["dnsName"] = serving["spec"].pop("dnsNames")
+    with pytest.raises(jsonschema.ValidationError, match="'dnsName' was unexpected"):
+        validate(serving, VERSIONS[0])
