@@ -612,3 +612,55 @@ def test_bad_input_gets_a_clean_answer_never_a_500(
     got, answer = post_raw(s.op, json.dumps(pod_without_spec).encode())
     assert got == 200 and answer["response"]["allowed"] is True
     assert "Traceback" not in s.op.log()
+
+
+@pytest.mark.parametrize("example", ["pytorchjob.yaml", "hyperpodpytorchjob.yaml"])
+def test_the_example_jobs_need_nothing_but_the_annotation(
+    cluster: Cluster, namespace: str, setup: Callable[..., Setup], example: str
+) -> None:
+    """A pod made from the example's template, as its training operator makes it, is wired."""
+    import yaml
+
+    admit(cluster, namespace)
+    setup()
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    doc["metadata"]["namespace"] = namespace
+    group, version = doc["apiVersion"].split("/")
+    plural = doc["kind"].lower() + "s"
+    job = cluster.custom.create_namespaced_custom_object(group, version, namespace, plural, doc)
+    if doc["kind"] == "PyTorchJob":
+        template = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        labels = dict(KUBEFLOW)
+    else:
+        template = doc["spec"]["replicaSpecs"][0]["template"]
+        labels = dict(template["metadata"]["labels"])
+    meta = {
+        "name": f"{doc['metadata']['name']}-0",
+        "labels": labels,
+        "ownerReferences": [
+            {
+                "apiVersion": doc["apiVersion"],
+                "kind": doc["kind"],
+                "name": doc["metadata"]["name"],
+                "uid": job["metadata"]["uid"],
+                "controller": True,
+            }
+        ],
+    }
+    # the test server has no ServiceAccount controller: the namespace's account, no token
+    spec = {
+        **template["spec"],
+        "serviceAccountName": "worker",
+        "automountServiceAccountToken": False,
+    }
+    created = cluster.core.create_namespaced_pod(
+        namespace, {"metadata": meta, "spec": spec}, _preload_content=False
+    )
+    pod = json.loads(created.data)
+    env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert {"POD_NAME", "NODE_NAME", "HYPERPOD_SDC_OPERATOR_URL", "HYPERPOD_SDC_CA_BUNDLE"} <= env
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {
+        "fsx",
+        "hyperpod-sdc-token",
+        "hyperpod-sdc-ca",
+    }
