@@ -118,6 +118,8 @@ class JobWatch:
             await self.publisher.refresh()
         for known in list(self._known.values()):
             try:
+                if self.publisher is not None:  # retries a namespace whose first write failed
+                    await self.publisher.ensure(str(known.job["metadata"]["namespace"]))
                 await self._check_pods(known)
             except Exception as exc:
                 meta = known.job["metadata"]

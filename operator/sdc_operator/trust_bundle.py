@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import ssl
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -181,7 +182,7 @@ class ServingCertificate:
         if not any(changed):
             return False
         try:
-            self.context.load_cert_chain(self.cert_file, self.key_file)
+            self._load_checked()
         except (OSError, ssl.SSLError) as exc:
             # A half-written pair (certificate new, key old): the next pass tries again.
             for stamp in self._stamps:
@@ -189,3 +190,19 @@ class ServingCertificate:
             log.warning("cannot load the serving certificate yet: %s", exc)
             return False
         return True
+
+    def _load_checked(self) -> None:
+        """Load the pair into the live context only once a scratch context accepted it: a
+        failed load leaves OpenSSL's context half-changed (a certificate without its key).
+        Both loads read one private copy, so the files cannot change in between."""
+        with tempfile.TemporaryDirectory(prefix="hyperpod-sdc-tls-") as scratch:
+            copies = []
+            for source, name in ((self.cert_file, "tls.crt"), (self.key_file, "tls.key")):
+                with open(source, "rb") as f:
+                    data = f.read()
+                path = os.path.join(scratch, name)
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+                copies.append(path)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(*copies)
+            self.context.load_cert_chain(*copies)

@@ -559,6 +559,11 @@ def test_limited_audit_is_said_on_the_job(
     )
     assert [e["involved_object"]["name"] for e in event] == ["small"]
     assert "2 nodes" in event[0]["message"] and "third node" in event[0]["message"]
+    # the watch writes nothing of kopf's onto the users' jobs: no finalizer, no annotation
+    for name in ("small", "fine"):
+        meta = cluster.get_job(namespace, name)["metadata"]
+        assert not meta.get("finalizers")
+        assert not [k for k in meta.get("annotations") or {} if "kopf" in k]
 
 
 def post_raw(
@@ -664,3 +669,36 @@ def test_the_example_jobs_need_nothing_but_the_annotation(
         "hyperpod-sdc-token",
         "hyperpod-sdc-ca",
     }
+
+
+def test_the_cert_manager_variant_is_accepted(cluster: Cluster, tmp_path: Path) -> None:
+    """The chart with certManager.enabled, created on the server (cert-manager's kinds from
+    a structural stand-in CRD: cert-manager itself does not run here)."""
+    import yaml
+
+    crds = client.ApiextensionsV1Api(cluster.api)
+    try:
+        crds.read_custom_resource_definition("certificates.cert-manager.io")
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        cluster.kubectl(
+            "create", "-f", str(ROOT / "tests/integration/crds/cert-manager.io_stand-in.yaml")
+        )
+        for crd in ("certificates.cert-manager.io", "issuers.cert-manager.io"):
+            cluster.kubectl("wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s")
+    release = f"sdc-{secrets.token_hex(3)}"
+    namespace = f"{release}-system"
+    cluster.core.create_namespace({"metadata": {"name": namespace}})
+    docs = render(
+        {"fullnameOverride": release, "certManager": {"enabled": True}}, namespace=namespace
+    )
+    manifest = tmp_path / "cert-manager.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    out = cluster.kubectl("create", "--dry-run=server", "-f", str(manifest))
+    for kind in (
+        "certificate.cert-manager.io",
+        "issuer.cert-manager.io",
+        "mutatingwebhookconfiguration.admissionregistration.k8s.io",
+    ):
+        assert f"{kind}/{release}" in out, out
