@@ -110,12 +110,14 @@ class WeightFingerprints:
         split (``None`` when every replica agrees) and evidence for a verdict.
         """
         names, tensors = self.tensors()
+        # One pass per device over every tensor (Fingerprinter.many), nothing copied to the
+        # host until the gathered words: one host sync per check, not one per tensor.
         combined, per_tensor = self.fingerprinter.many(tensors)
         world = dist.get_world_size(group)
         mine = combined.to(device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
-        rows = [tuple(g.tolist()) for g in gathered]
+        rows = [tuple(r) for r in torch.stack(gathered).tolist()]
         split = split_majority(rows)
         if split is None:
             return None, {}
@@ -145,7 +147,7 @@ class WeightFingerprints:
         count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(world)]
         dist.all_gather(counts, count, group=group)
-        if len({int(c.item()) for c in counts}) > 1:
+        if len(set(torch.cat(counts).tolist())) > 1:
             return {}
         reference = per_tensor.to(device).clone()
         dist.broadcast(
