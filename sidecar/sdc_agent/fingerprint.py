@@ -161,6 +161,7 @@ def _eager_words(bits: torch.Tensor) -> torch.Tensor:
     body = bits[: rows * width].view(rows, width)
     row_sums = torch.empty(rows, dtype=acc, device=dev)
     col_sums = torch.zeros(width, dtype=torch.int64, device=dev)
+    block_rows = min(block_rows, rows)
     staging = None if bits.dtype == acc else torch.empty((block_rows, width), dtype=acc, device=dev)
     for r0 in range(0, rows, block_rows):
         block = body[r0 : r0 + block_rows]
@@ -367,9 +368,11 @@ class Fingerprinter:
             # stuck at about 16 GB/s for every size (H200), a large one runs near memory
             # speed.
             numel = _CUDA_PROBE if device.type == "cuda" else 4099 + _COMPILE_MIN
-            probe = _probe(numel, dtype, device)
-            got = self._compiled(probe)
-            want = _eager_words(probe)
+            # Then a second size with another tail: a miscompiled kernel can be right at
+            # one size (Inductor's AVX2 int32 kernel was, at some).
+            probes = [_probe(n, dtype, device) for n in (numel, 2 * _COMPILE_MIN + 5)]
+            got = torch.stack([self._compiled(p) for p in probes])
+            want = torch.stack([_eager_words(p) for p in probes])
         except Exception as exc:  # any compiler or toolchain failure: stay correct
             problem = (
                 f"torch.compile of the fingerprint kernel failed for {dtype} on "

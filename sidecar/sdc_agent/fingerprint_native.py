@@ -170,7 +170,11 @@ def _build(march: str | None) -> ctypes.CDLL:
         with open(src, "w") as f:
             f.write(_SOURCE)
         for cc in compilers:
-            flag_sets = [[f"-march={march}"], []] if march else [[]]
+            # -march=native falls back to the compiler's default target (some compilers
+            # or CPUs lack it); an explicit target does not, so it is never mislabelled.
+            flag_sets = [[f"-march={march}"]] if march else [[]]
+            if march == "native":
+                flag_sets.append([])
             for extra in flag_sets:
                 lib = os.path.join(tmp, f"fingerprint{len(problems)}.so")
                 cmd = [cc, "-O3", "-std=c99", "-fPIC", "-shared", *extra, src, "-o", lib]
@@ -244,17 +248,20 @@ class NativeKernel:
 _PARALLEL_MIN_BYTES = 4 << 20
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_POOL_PID = 0
 _pool_lock = threading.Lock()
 
 
 def _pool(size: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
+    global _POOL, _POOL_SIZE, _POOL_PID
     with _pool_lock:
-        if _POOL is None or size > _POOL_SIZE:
-            if _POOL is not None:
+        # A forked child (a DataLoader worker) inherits the pool but not its threads.
+        if _POOL is None or size > _POOL_SIZE or os.getpid() != _POOL_PID:
+            if _POOL is not None and os.getpid() == _POOL_PID:
                 _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="sdc-fingerprint")
             _POOL_SIZE = size
+            _POOL_PID = os.getpid()
         return _POOL
 
 
