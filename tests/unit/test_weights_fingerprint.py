@@ -27,7 +27,41 @@ CASES = [None, "3.weight:exp_avg_sq", "1.bias", "4.weight:step"]
 
 
 def _compare_ranks(rank: int, world: int) -> dict[str | None, dict[str, Any]]:
-    return {corrupt: _compare(rank, corrupt) for corrupt in CASES}
+    out: dict[str | None, dict[str, Any]] = {c: _compare(rank, c) for c in CASES}
+    out["overlapped"] = _overlapped(rank)
+    return out
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator) -> None:
+    opt.zero_grad()
+    model(torch.randn(8, 64, generator=g)).square().mean().backward()
+    opt.step()
+
+
+def _overlapped(rank: int) -> dict[str, Any]:
+    # start() fingerprints now; the loop trains on while the words travel; finish() judges
+    # the state start() saw: a bit flipped on rank 1 and repaired before finish() is found.
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    _train(model, opt, g)
+    weights = WeightFingerprints(model, opt, Fingerprinter("auto"), include_optimizer_state=True)
+    clean = weights.start(None, torch.device("cpu"))
+    _train(model, opt, g)
+    clean_result = clean.finish()
+    target = dict(zip(*weights.tensors(), strict=True))["0.weight:exp_avg"]
+    if rank == 1:
+        _flip(target)
+    pending = weights.start(None, torch.device("cpu"))
+    if rank == 1:
+        _flip(target)
+    _train(model, opt, g)
+    split, evidence = pending.finish()
+    return {
+        "clean": clean_result[0],
+        "split": None if split is None else (split.suspects, split.localized),
+        "differing": evidence.get("differing_tensors"),
+    }
 
 
 def _flip(tensor: torch.Tensor) -> None:
@@ -40,9 +74,7 @@ def _compare(rank: int, corrupt: str | None) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)  # the same data everywhere: replicas agree
     for _ in range(2):
-        opt.zero_grad()
-        model(torch.randn(8, 64, generator=g)).square().mean().backward()
-        opt.step()
+        _train(model, opt, g)
     out: dict[str, Any] = {}
     for backend in ("auto", "eager"):
         fp = Fingerprinter(backend)
@@ -85,3 +117,12 @@ def test_compare_finds_the_replica_and_the_tensor(
             else:
                 assert got["split"] == ((1,), True)
                 assert got["differing"] == {"1": [corrupt]}
+
+
+def test_a_comparison_judges_the_state_it_started_from(
+    ranks: list[dict[str | None, dict[str, Any]]],
+) -> None:
+    for r in (by_case["overlapped"] for by_case in ranks):
+        assert r["clean"] is None
+        assert r["split"] == ((1,), True)
+        assert r["differing"] == {"1": ["0.weight:exp_avg"]}
