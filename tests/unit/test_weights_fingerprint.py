@@ -3,17 +3,25 @@ native (C) kernel and the eager one, a corrupted optimizer-state element on one 
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from sdc_agent import fingerprint_native
 from sdc_agent.fingerprint import Fingerprinter
 from sdc_agent.launch import spawn_local
 from sdc_agent.weights import WeightFingerprints
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not any(shutil.which(c) for c in fingerprint_native._compilers()),
+        reason="no C compiler for the native kernel here",
+    ),
+]
 
 
 def _model() -> nn.Module:
