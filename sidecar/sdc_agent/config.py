@@ -103,7 +103,7 @@ class GuardConfig:
     a WARNING log line, where building fails), ``compile`` (raise instead) or ``eager``
     (env ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints; building
     costs a fraction of a second (CPU) or seconds (CUDA) once per process, eager is three
-    to four times slower per byte on CPU. Tests and the demo use ``eager``: their models
+    to five times slower per byte on CPU. Tests and the demo use ``eager``: their models
     are tiny."""
 
     replay_every: int = 50

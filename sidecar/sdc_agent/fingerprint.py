@@ -7,12 +7,15 @@ A fingerprint is two 64-bit words (an ``int64`` tensor of shape ``[2]``):
     read as a signed integer of the element's width (int16 for bf16/fp16, int32 for fp32).
     Every weight is odd, hence invertible modulo ``2**64``: changing one element by any
     amount changes the sum. Swapping two elements ``i < j`` changes it by
-    ``2 * (j - i) * (bits[i] - bits[j])``, which is not ``0 mod 2**64`` while the tensor has
-    fewer than ``2**31`` elements of at most 32 bits: ``j - i < 2**31`` carries at most 30
-    factors of two and ``0 < |bits[i] - bits[j]| < 2**32`` at most 31, 62 with the 2. From
-    ``2**31`` elements on, a swap of a value with its negation (a difference of exactly
-    ``2**31``) at distance ``2**32`` apart could go unseen; the words stay well defined
-    (every sum is taken modulo ``2**64``, every kernel indexes with 64-bit integers).
+    ``2 * (j - i) * (bits[i] - bits[j])``, which is not ``0 mod 2**64`` for elements of at
+    most 32 bits while ``j - i < 2**32`` (so in every tensor of fewer than ``2**32 + 1``
+    elements, and the guarantee usually quoted, under ``2**31``): ``j - i`` then carries at
+    most 31 factors of two and ``0 < |bits[i] - bits[j]| < 2**32`` at most 31, 63 with the
+    2. A value swapped with its negation (a difference of exactly ``2**31``) a multiple of
+    ``2**32`` elements away goes unseen. Past ``2**31`` elements the words stay well
+    defined: every sum is taken modulo ``2**64`` and every kernel indexes with 64-bit
+    integers (the C kernel is tested at offsets past ``2**40``, ``bench/gpu_check.py``
+    checks tensors of more than ``2**31`` elements on a GPU).
 ``plain``
     ``sum(bits[i]) mod 2**64``: order-free. Two tensors with equal ``plain`` and different
     ``weighted`` words hold the same values in a different order, which is worth knowing
@@ -38,7 +41,7 @@ Kernels (:attr:`Fingerprinter.kernels` says which ran for each device and dtype)
     ``[R, C]`` kept in cache; one widening copy per block and two integer reductions give
     the row sums ``P_r`` and column sums ``Q_c``, and ``sum((2i + 1) v_i)`` with
     ``i = r*C + c`` is ``sum_r 2*C*r*P_r + sum_c (2c + 1)*Q_c``. 8- and 16-bit elements are
-    summed in int32, exact for rows and blocks of at most ``2**16``. About a quarter to a
+    summed in int32, exact for rows and blocks of at most ``2**16``. A fifth to a
     third of ``torch.sum``'s speed on CPU: the widening copy alone costs more than a sum.
 
 ``auto`` builds the fast kernel where it can and falls back to eager, with a WARNING log
