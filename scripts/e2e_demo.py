@@ -41,6 +41,8 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 NAMESPACE = "ml"
+OPERATOR_NAMESPACE = "hyperpod-sdc"
+TRAINING_OPERATOR = "system:serviceaccount:kubeflow:training-operator"
 RANKS_PER_POD = 2
 REPLICAS = 3
 STEPS = 60
@@ -87,7 +89,11 @@ class ApiServer:
         self.kubectl("create", "-f", str(ROOT / "crds"))
         crd = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
         self.kubectl("create", "--validate=false", "-f", str(crd))
-        for name in ("sdcincidents.hyperpod-sdc.dev", "pytorchjobs.kubeflow.org"):
+        for name in (
+            "sdcincidents.hyperpod-sdc.dev",
+            "sdcpolicies.hyperpod-sdc.dev",
+            "pytorchjobs.kubeflow.org",
+        ):
             self.kubectl("wait", "--for", "condition=Established", f"crd/{name}", "--timeout=60s")
 
     def kubectl(self, *args: str) -> str:
@@ -171,6 +177,21 @@ class OperatorProcess:
 # -- the stand-in for the cluster ----------------------------------------------------------
 
 
+def attestation(server: ApiServer, pod: str, owner_uid: str) -> dict[str, str]:
+    """What the operator's admission webhook writes on a pod the training operator
+    creates (signed with the key the operator keeps in its namespace)."""
+    import base64
+
+    from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, sign
+
+    secret = server.core.read_namespaced_secret("hyperpod-sdc-attestation", OPERATOR_NAMESPACE)
+    key = base64.b64decode(secret.data["key"])
+    return {
+        CREATED_BY_ANNOTATION: TRAINING_OPERATOR,
+        ATTESTATION_ANNOTATION: sign(key, NAMESPACE, pod, owner_uid, TRAINING_OPERATOR),
+    }
+
+
 def schedulable(node: dict[str, Any]) -> bool:
     """As the scheduler sees it for a pod without tolerations."""
     spec = node.get("spec") or {}
@@ -220,6 +241,7 @@ class Runner:
                 {
                     "metadata": {
                         "name": pod,
+                        "annotations": attestation(self.server, pod, owner["uid"]),
                         "ownerReferences": [
                             {
                                 "apiVersion": "kubeflow.org/v1",
@@ -554,7 +576,20 @@ def main() -> int:
     op: OperatorProcess | None = None
     try:
         server.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        server.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
         server.core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "worker"}})
+        # The cluster admin admits the namespace (kubectl apply of an SDCPolicy).
+        server.custom.create_cluster_custom_object(
+            "hyperpod-sdc.dev",
+            "v1alpha1",
+            "sdcpolicies",
+            {
+                "apiVersion": "hyperpod-sdc.dev/v1alpha1",
+                "kind": "SDCPolicy",
+                "metadata": {"name": "ml-team"},
+                "spec": {"namespaces": [NAMESPACE], "remediationPolicy": "manual"},
+            },
+        )
         instances = {}
         for _ in range(REPLICAS + 1):
             instance = "i-" + secrets.token_hex(9)[:17]

@@ -94,13 +94,24 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
         "Secret",
         "Service",
         "ServiceAccount",
     ]
     (deploy,) = by_kind(docs, "Deployment")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # two replicas, and an update that never leaves none serving
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -119,7 +130,18 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
     (role,) = by_kind(docs, "ClusterRole")
     for rule in role["rules"]:
         assert "secrets" not in rule["resources"] and "*" not in rule["resources"] + rule["verbs"]
-        assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
+        assert "deletecollection" not in rule["verbs"]
+        if "delete" in rule["verbs"]:  # retention deletes its own incidents, nothing else
+            assert rule["resources"] == ["sdcincidents"]
+    (own,) = by_kind(docs, "Role")
+    assert own["metadata"]["namespace"] == "hyperpod-sdc"
+    secret_rules = [r for r in own["rules"] if "secrets" in r["resources"]]
+    assert {v for r in secret_rules for v in r["verbs"]} == {"create", "get"}
+    assert all(
+        r.get("resourceNames") == ["hyperpod-sdc-attestation"]
+        for r in secret_rules
+        if "get" in r["verbs"]
+    )
     (secret,) = by_kind(docs, "Secret")
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
 
