@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Mapping
@@ -97,14 +98,17 @@ class Endpoint:
     """A ``kubernetes.client.Configuration``: its refresh hook renews the token."""
 
     @classmethod
-    def load(cls) -> Endpoint:
-        """In-cluster credentials where they exist, else the kubeconfig (``KUBECONFIG``)."""
+    def load(cls, kubeconfig: str | None = None) -> Endpoint:
+        """In-cluster credentials where they exist, else the kubeconfig (``kubeconfig``,
+        default ``KUBECONFIG``)."""
         from kubernetes import client, config
 
         try:
+            if kubeconfig:
+                raise config.ConfigException("a kubeconfig is given")
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            config.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"))
         conf = client.Configuration.get_default_copy()
         if conf.verify_ssl:
             context = ssl.create_default_context(cafile=conf.ssl_ca_cert or None)
