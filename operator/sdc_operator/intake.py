@@ -213,7 +213,10 @@ class Intake:
             headers = {}
             if refusal.retry_after is not None:
                 headers["Retry-After"] = str(max(1, round(refusal.retry_after)))
-            return _json(refusal.status, refusal.reason, refusal.message, **headers)
+            response = _json(refusal.status, refusal.reason, refusal.message, **headers)
+            if refusal.status in (408, 413):
+                response.force_close()  # the rest of the body is not worth reading
+            return response
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
