@@ -179,8 +179,8 @@ class Operator:
         else:
             self._lead()
         self._every(s.resync_seconds, self._resync)
-        self._every(MEMBERS_EVERY_SECONDS, self._members)
-        self._every(RETENTION_EVERY_SECONDS, self._retention, first=5.0)
+        self._every(min(MEMBERS_EVERY_SECONDS, s.resync_seconds), self._members)
+        self._every(RETENTION_EVERY_SECONDS, self._retention, first=min(5.0, s.resync_seconds))
 
     def _lead(self) -> None:
         self.metrics.leader.set(1)
