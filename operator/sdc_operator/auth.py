@@ -114,7 +114,7 @@ class TokenReviewer:
         audience: str,
         cache_seconds: float,
         *,
-        negative_seconds: float = 10.0,
+        negative_seconds: float = 60.0,
         reviews_per_second: float = 200.0,
         burst: int = 2500,
         max_cached: int = 100_000,

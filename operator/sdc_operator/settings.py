@@ -148,7 +148,7 @@ class OperatorSettings:
     """How many TokenReviews of new tokens may be sent at once (the size of that bucket):
     keep it above the node count of the largest job, whose agents all report for the first
     time at about the same moment."""
-    negative_token_cache_seconds: float = 10.0
+    negative_token_cache_seconds: float = 60.0
     """How long a token the API server rejected is rejected without asking again."""
     max_in_flight: int = 4096
     """Reports processed at once; past it new ones get 503 and are retried by the agent.
