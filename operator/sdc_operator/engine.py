@@ -451,6 +451,9 @@ class IncidentEngine:
                 key = (meta.get("namespace", ""), meta.get("name", ""))
                 for memory in (self._seen, self._extra, self._agreed_at):
                     memory.pop(key, None)
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]
             return
         if not self.leader:
             return

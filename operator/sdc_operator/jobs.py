@@ -66,21 +66,21 @@ REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 def pod_fits_job(pod: dict[str, Any], job: dict[str, Any]) -> str | None:
     """Why ``pod`` cannot be one the training operator made for ``job``, or ``None``.
 
-    Cheap, and independent of attestation: the training operator names a job's pods after
-    it, so a pod whose name does not start with ``<job>-`` is not one of them. For a
-    ``PyTorchJob`` Kubeflow names them ``<job>-<replica type>-<index>`` with the index
-    below that replica type's count, and labels them with both; a pod that claims another
-    type or an index past the count is not one of them either.
+    Cheap, and independent of attestation. Kubeflow names a ``PyTorchJob``'s pods
+    ``<job>-<replica type>-<index>``, the index below that replica type's count, and labels
+    them with both: a pod that claims another type, an index past the count, or a name not
+    made that way is not one of them. (HyperPod's training operator does not document its
+    pod names, so a ``HyperPodPyTorchJob``'s pods are left to the attestation.)
     """
+    specs = (job.get("spec") or {}).get(REPLICA_SPECS)
+    if job.get("kind") != "PyTorchJob" or not isinstance(specs, dict):
+        return None
     meta = pod.get("metadata") or {}
     name = str(meta.get("name") or "")
     job_name = str((job.get("metadata") or {}).get("name") or "")
     ref = f"pod {meta.get('namespace')}/{name}"
     if not name.startswith(job_name + "-"):
-        return f"{ref} is not named after its job {job_name} (<job>-...)"
-    specs = (job.get("spec") or {}).get(REPLICA_SPECS)
-    if job.get("kind") != "PyTorchJob" or not isinstance(specs, dict):
-        return None
+        return f"{ref} is not named after its job {job_name} (<job>-<replica type>-<index>)"
     counts = {str(k).lower(): int((v or {}).get("replicas", 1) or 0) for k, v in specs.items()}
     kind, _, index = name[len(job_name) + 1 :].rpartition("-")
     if kind not in counts or not index.isdigit() or int(index) >= counts[kind]:

@@ -211,6 +211,7 @@ class Members:
         )
         self._last_seen = last_seen
         self.stale_seconds = stale_seconds
+        self._version = ""
 
     async def publish(self) -> None:
         body: dict[str, Any] = {
@@ -233,15 +234,27 @@ class Members:
                 "renewTime": micro_time(),
             },
         }
+        if self._version:  # one request in the common case: our own last write's version
+            body["metadata"]["resourceVersion"] = self._version
+            try:
+                written = await self.kube.replace(COORDINATION, "leases", self.namespace, body)
+                self._version = written["metadata"]["resourceVersion"]
+                return
+            except ApiError as exc:
+                if not (is_conflict(exc) or is_not_found(exc)):
+                    raise
         try:
             current = await self.kube.get(COORDINATION, "leases", self.namespace, self.name)
         except ApiError as exc:
             if not is_not_found(exc):
                 raise
-            await self.kube.create(COORDINATION, "leases", self.namespace, body)
+            body["metadata"].pop("resourceVersion", None)
+            written = await self.kube.create(COORDINATION, "leases", self.namespace, body)
+            self._version = written["metadata"]["resourceVersion"]
             return
         body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        await self.kube.replace(COORDINATION, "leases", self.namespace, body)
+        written = await self.kube.replace(COORDINATION, "leases", self.namespace, body)
+        self._version = written["metadata"]["resourceVersion"]
 
     async def peers(self, prune: bool = False) -> dict[str, float]:
         """The newest time any other replica heard from each job; with ``prune``, member

@@ -46,10 +46,10 @@ def test_a_pod_fits_its_job(name: str, labels: dict[str, str], fits: bool) -> No
     assert (pod_fits_job(pod(name, **labels), JOB) is None) == fits
 
 
-def test_a_hyperpod_job_pod_needs_only_the_job_name() -> None:
+def test_a_hyperpod_job_pod_is_left_to_the_attestation() -> None:
     job = {"kind": "HyperPodPyTorchJob", "metadata": {"name": "hp"}, "spec": {"replicaSpecs": []}}
     assert pod_fits_job(pod("hp-anything-7"), job) is None
-    assert pod_fits_job(pod("other-0"), job) is not None
+    assert pod_fits_job(pod("other-0"), job) is None
 
 
 class FakeCaches:
