@@ -22,6 +22,12 @@ ALL_ON: dict[str, Any] = {
     "serviceAccount": {
         "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/sdc"}
     },
+    "policy": {
+        "create": True,
+        "name": "ml-teams",
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+    },
 }
 
 
@@ -185,6 +191,22 @@ def test_optional_parts() -> None:
         for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert (env["HYPERPOD_SDC_NAMESPACES"], env["HYPERPOD_SDC_DRY_RUN"]) == ("ml", "true")
+
+
+def test_the_optional_policy_is_valid_and_off_by_default() -> None:
+    import jsonschema
+
+    assert not by_kind(render(), "SDCPolicy")
+    (policy,) = by_kind(render(ALL_ON), "SDCPolicy")
+    assert policy["metadata"]["name"] == "ml-teams" and "namespace" not in policy["metadata"]
+    assert policy["spec"] == {
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+        "remediationPolicy": "manual",
+        "dryRun": False,
+    }
+    crd = yaml.safe_load((CHART / "crds" / "hyperpod-sdc.dev_sdcpolicies.yaml").read_text())
+    jsonschema.validate(policy, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
 def test_tls_off_and_existing_secret() -> None:
