@@ -49,6 +49,7 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 NAMESPACE = "ml"
+OPERATOR_NAMESPACE = "hyperpod-sdc"
 RANKS_PER_POD = 2
 REPLICAS = 3
 STEPS = 60
@@ -56,7 +57,6 @@ INTERVAL = 10  # replay audit, weight check and checkpoints, every INTERVAL step
 FAULT_STEP = 23
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
 TRAINING_OPERATOR = ("kubeflow", "training-operator")  # its namespace and ServiceAccount
-POLICY_CRD = ROOT / "tests" / "integration" / "crds" / "hyperpod-sdc.dev_sdcpolicies.stand-in.yaml"
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
     "HYPERPOD_SDC_WEIGHTS_EVERY": str(INTERVAL),
@@ -97,12 +97,10 @@ class ApiServer:
         self.kubectl("create", "-f", str(ROOT / "crds"))
         crd = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
         self.kubectl("create", "--validate=false", "-f", str(crd))
-        if "sdcpolicies.hyperpod-sdc.dev" not in self.kubectl("get", "crd", "-o", "name"):
-            self.kubectl("create", "-f", str(POLICY_CRD))  # until crds/ has the real one
         for name in (
             "sdcincidents.hyperpod-sdc.dev",
-            "pytorchjobs.kubeflow.org",
             "sdcpolicies.hyperpod-sdc.dev",
+            "pytorchjobs.kubeflow.org",
         ):
             self.kubectl("wait", "--for", "condition=Established", f"crd/{name}", "--timeout=60s")
 
@@ -797,6 +795,7 @@ def main() -> int:
     op: OperatorProcess | None = None
     try:
         server.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        server.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
         server.core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "worker"}})
         instances = {}
         for _ in range(REPLICAS + 1):

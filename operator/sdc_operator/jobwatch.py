@@ -140,7 +140,9 @@ class JobWatch:
             return  # not wired on purpose; the intake refuses its reports and says why
         pods: dict[str, dict[str, Any]] = {}
         for selector in self.selectors:
-            for pod in await self.kube.list_pods(namespace, label_selector_string(selector)):
+            for pod in await self.kube.list_all(
+                "v1", "pods", namespace, label_selector=label_selector_string(selector)
+            ):
                 pods[pod["metadata"]["name"]] = pod
         missed = unguarded_pods(list(pods.values()), str(meta["uid"]), self.selectors)
         self.unguarded.labels(namespace, name).set(len(missed))

@@ -15,16 +15,9 @@ from .kube import Kube
 from .trust_bundle import CaPublisher, ServingCertificate
 from .webhook import AdmissionLookups, PodWebhook, WebhookSettings
 
-__all__ = ["OptIn", "trusted_pod_creators"]
+__all__ = ["OptIn"]
 
 log = logging.getLogger(__name__)
-
-
-def trusted_pod_creators(operator_settings: object, webhook: WebhookSettings) -> tuple[str, ...]:
-    """The trusted pod creators: the operator's own setting where it has one, else the
-    webhook's reading of the same variable."""
-    own = getattr(operator_settings, "trusted_pod_creators", None)
-    return tuple(own) if own is not None else webhook.trusted_pod_creators
 
 
 class OptIn:

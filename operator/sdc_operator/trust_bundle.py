@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import ssl
@@ -122,7 +121,6 @@ class CaPublisher:
         self._published.pop(namespace, None)
 
     async def _write(self, namespace: str, pem: str) -> bool:
-        core = self.kube.core
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -131,20 +129,14 @@ class CaPublisher:
         }
         for _ in range(5):
             try:
-                response = await asyncio.to_thread(
-                    core.read_namespaced_config_map, self.name, namespace, _preload_content=False
-                )
-                try:
-                    existing = json.loads(response.data)
-                finally:
-                    response.release_conn()
+                existing = await self.kube.get("v1", "configmaps", namespace, self.name)
             except Exception as exc:
                 if not is_not_found(exc):
                     raise
                 try:
-                    await asyncio.to_thread(core.create_namespaced_config_map, namespace, body)
+                    await self.kube.create("v1", "configmaps", namespace, body)
                 except Exception as create_exc:
-                    if getattr(create_exc, "status", None) == 409:
+                    if is_conflict(create_exc):
                         continue  # another replica made it: read it again
                     raise
                 log.info("published the CA in namespace %s (ConfigMap %s)", namespace, self.name)
@@ -153,9 +145,7 @@ class CaPublisher:
                 return False
             body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
             try:
-                await asyncio.to_thread(
-                    core.replace_namespaced_config_map, self.name, namespace, body
-                )
+                await self.kube.replace("v1", "configmaps", namespace, body)
             except Exception as exc:
                 if is_conflict(exc):
                     continue

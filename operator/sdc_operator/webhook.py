@@ -83,9 +83,6 @@ class WebhookSettings:
     Secret): published as ConfigMap ``hyperpod-sdc-ca`` in each namespace with an opted-in
     job and mounted in its pods. Unset: no CA is published or mounted (the agents then use
     their image's trust store)."""
-    trusted_pod_creators: tuple[str, ...] = ()
-    """Usernames (comma-separated) whose pods get an attestation: the training operators'
-    ServiceAccounts, e.g. ``system:serviceaccount:kubeflow:training-operator``."""
     webhook_pod_selectors: tuple[dict[str, Any], ...] = DEFAULT_POD_SELECTORS
     """The label selectors of the chart's webhook entries (a JSON list), so the operator
     knows which pods the webhook is sent."""
@@ -136,7 +133,7 @@ class WebhookSettings:
                     if not isinstance(parsed, list) or not parsed:
                         raise ValueError("expected a non-empty JSON list of label selectors")
                     values[f.name] = tuple(parsed)
-                elif f.name in ("inject_containers", "trusted_pod_creators"):
+                elif f.name == "inject_containers":
                     values[f.name] = tuple(p.strip() for p in raw.split(",") if p.strip())
                 elif f.name == "inject_token_expiration_seconds":
                     values[f.name] = int(raw)
@@ -226,13 +223,8 @@ class AdmissionLookups:
     async def namespace_labels(self, namespace: str) -> dict[str, str]:
         hit, labels = self._namespaces.get(namespace)
         if not hit:
-            ns = await asyncio.to_thread(
-                self.kube.core.read_namespace, namespace, _preload_content=False
-            )
-            try:
-                labels = (json.loads(ns.data).get("metadata") or {}).get("labels") or {}
-            finally:
-                ns.release_conn()
+            ns = await self.kube.get("v1", "namespaces", None, namespace)
+            labels = (ns.get("metadata") or {}).get("labels") or {}
             self._namespaces.put(namespace, labels)
         return dict(labels)
 

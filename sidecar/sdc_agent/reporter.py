@@ -3,9 +3,13 @@
 :meth:`Reporter.submit` only appends to a bounded in-memory queue. A daemon thread posts
 the reports, oldest first with verdicts ahead of everything else, and retries transient
 failures (connection errors, timeouts, HTTP 408, 429 and 5xx) with exponential back-off
-and full jitter. A report the operator refuses (any other 4xx) is logged and dropped: it
-will not get better by retrying. When the queue is full the oldest heartbeat goes first,
-then the oldest checkpoint record; verdicts are never dropped.
+and full jitter. A report the operator refuses (any other 4xx: 400, 401, 403, 413, 422, ...)
+is not retried, since it will not get better; it is logged at ERROR every time and counted
+(:meth:`Reporter.counters`). A refused verdict counts as undelivered for ever: once it is
+older than the deadline, :meth:`Reporter.verdict_overdue` says so and
+``unreachable_policy="stop"`` stops training, as it does when the operator cannot be
+reached. When the queue is full the oldest heartbeat goes first, then the oldest checkpoint
+record; verdicts are never dropped.
 
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
@@ -136,6 +140,12 @@ class Reporter:
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
+        self.refused_verdicts = 0
+        self.refusals: dict[int, int] = {}
+        """Refused reports by the operator's HTTP status."""
+        self._undeliverable_since: float | None = None
+        """When the oldest verdict that will never be delivered (refused, or that could not
+        be sent) was submitted."""
         self._thread = threading.Thread(target=self._run, name="sdc-reporter", daemon=True)
         self._thread.start()
 
@@ -167,12 +177,27 @@ class Reporter:
                     return
 
     def verdict_overdue(self, deadline_seconds: float) -> bool:
-        """An undelivered verdict has waited longer than ``deadline_seconds``."""
+        """An undelivered verdict has waited longer than ``deadline_seconds``: one still
+        queued or in flight, or one the operator refused (it will never be delivered)."""
         with self._cond:
             waiting = [t for t, _ in self._verdicts]
             if self._in_flight is not None and isinstance(self._in_flight[1], VerdictReport):
                 waiting.append(self._in_flight[0])
+            if self._undeliverable_since is not None:
+                waiting.append(self._undeliverable_since)
         return bool(waiting) and time.monotonic() - min(waiting) > deadline_seconds
+
+    def counters(self) -> dict[str, object]:
+        """What happened to the reports so far (for the Guard's metrics and logs)."""
+        with self._cond:
+            return {
+                "delivered": self.delivered,
+                "dropped": self.dropped,
+                "refused": self.refused,
+                "refused_verdicts": self.refused_verdicts,
+                "refusals": dict(self.refusals),
+                "undeliverable_verdict": self._undeliverable_since is not None,
+            }
 
     def pending(self) -> int:
         with self._cond:
@@ -217,7 +242,7 @@ class Reporter:
 
     def _run(self) -> None:
         while (entry := self._next()) is not None:
-            _, report = entry
+            submitted, report = entry
             try:
                 outcome = self._send(report)
             except Exception:  # never let one report kill the thread
@@ -225,6 +250,8 @@ class Reporter:
                 outcome = "dropped"
             with self._cond:
                 self._in_flight = None
+                if outcome in ("refused", "dropped") and isinstance(report, VerdictReport):
+                    self._undeliverable(submitted)
                 if outcome == "retry":
                     # Back in front of its queue: the next pick takes verdicts first.
                     queue = self._verdicts if isinstance(report, VerdictReport) else self._others
@@ -244,6 +271,34 @@ class Reporter:
                 self._attempt += 1
                 if self._stop.wait(random.uniform(0, backoff)):  # full jitter; close() ends it
                     return
+
+    def _undeliverable(self, submitted: float) -> None:
+        """A verdict that will never be delivered (called with the lock held)."""
+        if self._undeliverable_since is None or submitted < self._undeliverable_since:
+            self._undeliverable_since = submitted
+
+    def _refused(self, report: Report, status: int, detail: str) -> str:
+        """Count and log a refusal (every time: each one is a report the operator will
+        never act on)."""
+        with self._cond:
+            self.refused += 1
+            self.refusals[status] = self.refusals.get(status, 0) + 1
+            if isinstance(report, VerdictReport):
+                self.refused_verdicts += 1
+        if isinstance(report, VerdictReport):
+            log.error(
+                "sdc_agent: the operator REFUSED a verdict (HTTP %d) for step %d; it will not "
+                "be acted on, and counts as undelivered (unreachable_policy=stop stops "
+                "training once it is overdue): %s",
+                status,
+                report.step,
+                detail,
+            )
+        else:
+            log.error(
+                "sdc_agent: operator refused a %s report (%d): %s", report.kind, status, detail
+            )
+        return "refused"
 
     def _bearer(self) -> str | None:
         path = self.config.token_file
@@ -310,11 +365,7 @@ class Reporter:
             if exc.code in (408, 429) or exc.code >= 500:
                 log.info("sdc_agent: operator answered %d, will retry: %s", exc.code, detail)
                 return "retry"
-            self.refused += 1
-            log.error(
-                "sdc_agent: operator refused a %s report (%d): %s", report.kind, exc.code, detail
-            )
-            return "refused"
+            return self._refused(report, exc.code, detail)
         except (OSError, TimeoutError, http.client.HTTPException) as exc:
             # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)

@@ -30,6 +30,12 @@ ALL_ON: dict[str, Any] = {
     "serviceAccount": {
         "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/sdc"}
     },
+    "policy": {
+        "create": True,
+        "name": "ml-teams",
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+    },
 }
 
 
@@ -111,13 +117,24 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         "ClusterRoleBinding",
         "Deployment",
         "MutatingWebhookConfiguration",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
         "Secret",
         "Service",
         "ServiceAccount",
     ]
     (deploy,) = by_kind(docs, "Deployment")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # two replicas, and an update that never leaves none serving
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -136,9 +153,20 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
     (role,) = by_kind(docs, "ClusterRole")
     for rule in role["rules"]:
         assert "secrets" not in rule["resources"] and "*" not in rule["resources"] + rule["verbs"]
-        assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
+        assert "deletecollection" not in rule["verbs"]
         if "configmaps" in rule["resources"] and rule["verbs"] != ["create"]:
             assert rule["resourceNames"] == ["hyperpod-sdc-ca"]
+        if "delete" in rule["verbs"]:  # retention deletes its own incidents, nothing else
+            assert rule["resources"] == ["sdcincidents"]
+    (own,) = by_kind(docs, "Role")
+    assert own["metadata"]["namespace"] == "hyperpod-sdc"
+    secret_rules = [r for r in own["rules"] if "secrets" in r["resources"]]
+    assert {v for r in secret_rules for v in r["verbs"]} == {"create", "get"}
+    assert all(
+        r.get("resourceNames") == ["hyperpod-sdc-attestation"]
+        for r in secret_rules
+        if "get" in r["verbs"]
+    )
     (secret,) = by_kind(docs, "Secret")
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
 
@@ -178,6 +206,22 @@ def test_optional_parts() -> None:
         for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert (env["HYPERPOD_SDC_NAMESPACES"], env["HYPERPOD_SDC_DRY_RUN"]) == ("ml", "true")
+
+
+def test_the_optional_policy_is_valid_and_off_by_default() -> None:
+    import jsonschema
+
+    assert not by_kind(render(), "SDCPolicy")
+    (policy,) = by_kind(render(ALL_ON), "SDCPolicy")
+    assert policy["metadata"]["name"] == "ml-teams" and "namespace" not in policy["metadata"]
+    assert policy["spec"] == {
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+        "remediationPolicy": "manual",
+        "dryRun": False,
+    }
+    crd = yaml.safe_load((CHART / "crds" / "hyperpod-sdc.dev_sdcpolicies.yaml").read_text())
+    jsonschema.validate(policy, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
 def test_tls_off_and_existing_secret() -> None:

@@ -31,7 +31,6 @@ from tests.chart.test_chart import render
 
 from .cluster import ROOT, Cluster, OperatorProcess, wait_for
 
-POLICY_CRD = ROOT / "tests" / "integration" / "crds" / "hyperpod-sdc.dev_sdcpolicies.stand-in.yaml"
 TEST_LABEL = "hyperpod-sdc-test"
 POD_URL = "https://hyperpod-sdc.hyperpod-sdc.svc:443"  # what the pods are told
 KUBEFLOW = {"training.kubeflow.org/operator-name": "pytorchjob-controller"}
@@ -129,21 +128,10 @@ def delete_webhook(cluster: Cluster, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def policies(cluster: Cluster) -> None:
-    """The SDCPolicy CRD: the real one where crds/ has it, else the stand-in."""
-    crds = client.ApiextensionsV1Api(cluster.api)
-    try:
-        crds.read_custom_resource_definition("sdcpolicies.hyperpod-sdc.dev")
-    except client.ApiException as exc:
-        if exc.status != 404:
-            raise
-        cluster.kubectl("create", "-f", str(POLICY_CRD))
-        cluster.kubectl(
-            "wait",
-            "--for",
-            "condition=Established",
-            "crd/sdcpolicies.hyperpod-sdc.dev",
-            "--timeout=60s",
-        )
+    """The SDCPolicy CRD (crds/, installed with the cluster)."""
+    client.ApiextensionsV1Api(cluster.api).read_custom_resource_definition(
+        "sdcpolicies.hyperpod-sdc.dev"
+    )
 
 
 def admit(cluster: Cluster, namespace: str) -> None:

@@ -312,12 +312,10 @@ def test_settings_from_env_name_the_variable() -> None:
     settings = WebhookSettings.from_env(
         {
             "HYPERPOD_SDC_INJECT_OPERATOR_URL": "https://sdc.sdc.svc:443",
-            "HYPERPOD_SDC_TRUSTED_POD_CREATORS": f"{OPERATOR}, admin",
             "HYPERPOD_SDC_INJECT_CONTAINERS": "pytorch",
             "HYPERPOD_SDC_WEBHOOK_POD_SELECTORS": '[{"matchLabels": {"a": "b"}}]',
         }
     )
-    assert settings.trusted_pod_creators == (OPERATOR, "admin")
     assert settings.webhook_pod_selectors == ({"matchLabels": {"a": "b"}},)
     bad = [
         ("HYPERPOD_SDC_INJECT_OPERATOR_URL", "sdc.svc"),

@@ -387,3 +387,47 @@ def test_a_rotated_ca_bundle_is_read_again(port: int, token: Path, tmp_path: Pat
     finally:
         reporter.close(timeout=1)
         operator.stop()
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 413, 422])
+def test_a_refused_verdict_counts_as_undelivered_and_is_logged_each_time(
+    port: int, token: Path, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    operator = Operator(port, statuses=[status, status, status])
+    try:
+        reporter = make(port, token)
+        reporter.submit(heartbeat(1))  # refused: logged, but no verdict is at stake
+        assert reporter.flush(10)
+        assert not reporter.verdict_overdue(0.0)
+        reporter.submit(verdict(2))
+        reporter.submit(verdict(3))
+        assert reporter.flush(10)
+        assert not reporter.verdict_overdue(5.0)
+        time.sleep(0.25)
+        assert reporter.verdict_overdue(0.2)  # never delivered: unreachable_policy=stop fires
+        reporter.submit(verdict(4))  # delivered: the refused ones still count
+        assert reporter.close(10)
+        assert reporter.verdict_overdue(0.2)
+    finally:
+        operator.stop()
+    counters = reporter.counters()
+    assert counters["refused"] == 3 and counters["refused_verdicts"] == 2
+    assert counters["refusals"] == {status: 3}
+    assert counters["delivered"] == 1 and counters["undeliverable_verdict"] is True
+    loud = [
+        r for r in caplog.records if r.levelname == "ERROR" and "REFUSED a verdict" in r.message
+    ]
+    assert len(loud) == 2, [r.message for r in caplog.records]
+    assert all(f"HTTP {status}" in r.message for r in loud)
+
+
+def test_a_verdict_that_cannot_be_encoded_counts_as_undelivered(
+    operator: Operator, port: int, token: Path
+) -> None:
+    import dataclasses
+
+    reporter = make(port, token)
+    reporter.submit(dataclasses.replace(verdict(3), message="x" * 5000))  # over the limit
+    assert reporter.close(10)
+    time.sleep(0.05)
+    assert reporter.verdict_overdue(0.01)
