@@ -162,6 +162,7 @@ class Operator:
             self.lookups,
         )
         self.intake.ready = self.caches.synced
+        self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
         ssl_context = self.serving.context if self.serving is not None else None
         app = self.intake.app()
         self.optin.add_routes(app)

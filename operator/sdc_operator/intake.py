@@ -52,6 +52,7 @@ from .engine import IncidentEngine
 from .errors import ApiError, Refusal
 from .heartbeats import Heartbeats
 from .incidents import JobRef, ResolvedSuspect
+from .injection import matches_any
 from .kube import Kube, is_not_found
 from .localize import InstanceResolver
 from .metrics import Metrics
@@ -157,6 +158,8 @@ class Intake:
         self.limiter = RateLimiter(settings.rate_per_job, settings.rate_burst)
         self.sources = RateLimiter(settings.rate_per_source, settings.rate_source_burst)
         self.trusted = frozenset(settings.trusted_pod_creators)
+        self.pod_selectors: tuple[dict[str, Any], ...] = ()
+        """The admission webhook's pod selectors (set by the operator); empty: not checked."""
         self.ready: Callable[[], bool] = lambda: True
         self.in_flight = 0
         self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
@@ -445,16 +448,35 @@ class Intake:
         return JobRef(api_version, kind, meta["namespace"], owner["name"], owner["uid"]), job
 
     def _genuine(self, pod: dict[str, Any], job: dict[str, Any]) -> None:
-        """The pod is one its job's training operator made: named and labelled as it
-        names them, and attested by the admission webhook."""
-        problem = jobs.pod_fits_job(pod, job)
+        problem = self._why_not_genuine(pod, job)
         if problem is not None:
-            raise Refusal(403, "not_a_job_pod", problem)
-        if self.settings.require_attestation:
-            assert self.key is not None
-            genuine, why = verify_pod(self.key.value, pod, self.trusted)
-            if not genuine:
-                raise Refusal(403, "not_attested", why)
+            raise Refusal(
+                403, "not_a_job_pod" if problem[0] == "shape" else "not_attested", problem[1]
+            )
+
+    def _why_not_genuine(
+        self, pod: dict[str, Any], job: dict[str, Any] | None
+    ) -> tuple[str, str] | None:
+        """Why the pod is not one its job's training operator made, as (``shape`` or
+        ``attestation``, message), or ``None``: named and labelled as that operator names
+        them, sent to the admission webhook when it was created (its labels match the
+        webhook's selectors: a pod the webhook never saw could keep a copied attestation),
+        and attested there."""
+        problem = jobs.pod_fits_job(pod, job) if job else None
+        if problem is not None:
+            return "shape", problem
+        if not self.settings.require_attestation:
+            return None
+        meta = pod.get("metadata") or {}
+        ref = f"pod {meta.get('namespace')}/{meta.get('name')}"
+        if self.pod_selectors and not matches_any(self.pod_selectors, meta.get("labels") or {}):
+            return "attestation", (
+                f"{ref} does not carry the labels the admission webhook selects, so the "
+                "webhook never saw it created"
+            )
+        assert self.key is not None
+        genuine, why = verify_pod(self.key.value, pod, self.trusted)
+        return None if genuine else ("attestation", why)
 
     async def _resolve_suspects(self, report: VerdictReport, ref: JobRef) -> list[ResolvedSuspect]:
         """Each suspect -> an attested pod of this very job -> its node -> the instance id."""
@@ -500,13 +522,9 @@ class Intake:
                     f"{field}.node: pod {pod['metadata']['name']} runs on node "
                     f"{node or '(none)'!r}, not {suspect.node!r}",
                 )
-            problem = jobs.pod_fits_job(pod, job) if job else None
-            if problem is None and self.settings.require_attestation:
-                assert self.key is not None
-                genuine, why = verify_pod(self.key.value, pod, self.trusted)
-                problem = None if genuine else why
+            problem = self._why_not_genuine(pod, job or None)
             if problem is not None:
-                raise Refusal(422, "unknown_suspect", f"{field}: {problem}")
+                raise Refusal(422, "unknown_suspect", f"{field}: {problem[1]}")
             if node not in instances:
                 instances[node] = await self._instance(node)
             resolved.append(

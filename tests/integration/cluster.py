@@ -43,6 +43,11 @@ JOB_API = {
     "HyperPodPyTorchJob": ("sagemaker.amazonaws.com", "v1", "hyperpodpytorchjobs"),
 }
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
+WEBHOOK_LABELS = {
+    "PyTorchJob": {"training.kubeflow.org/operator-name": "pytorchjob-controller"},
+    "HyperPodPyTorchJob": {"hyperpod-sdc.dev/inject": "true"},
+}
+"""The labels by which the chart's webhook entries select each job kind's pods."""
 T = TypeVar("T")
 OPERATOR_NAMESPACE = "hyperpod-sdc"
 ATTESTATION_SECRET = "hyperpod-sdc-attestation"
@@ -260,6 +265,9 @@ class Cluster:
                 }
             ]
             if attested:
+                # What the training operator puts on its pods, which selects them for the
+                # admission webhook; then what the webhook writes.
+                meta["labels"] = dict(WEBHOOK_LABELS[owner["kind"]])
                 meta["annotations"][CREATED_BY_ANNOTATION] = TRAINING_OPERATOR
                 meta["annotations"][ATTESTATION_ANNOTATION] = sign(
                     key or self.key, namespace, name, owner["metadata"]["uid"], TRAINING_OPERATOR

@@ -106,7 +106,29 @@ def test_pods_made_by_hand_for_a_job_accuse_nobody(
             status, answer, _ = send(cluster, op, fake, reporter, verdict(fake, reporter, 3))
             assert (status, answer["error"]) == (422, "unknown_suspect"), (what, answer)
             assert f"suspects[0]: pod {namespace}/{name}" in answer["message"]
-    assert [snapshot(cluster, j) for j in (job, genuine)] == before
+    # A genuine pod deleted and made again by hand under its name, with its attestation
+    # copied, but without the labels that send pods to the webhook (so the webhook never
+    # stripped the copy): the HMAC fits, the pod still accuses nobody.
+    cluster.core.delete_namespaced_pod("big-worker-1", namespace, grace_period_seconds=0)
+    wait_for(
+        "the pod to go",
+        lambda: (
+            "big-worker-1"
+            not in [p.metadata.name for p in cluster.core.list_namespaced_pod(namespace).items]
+        ),
+    )
+    cluster.pod(
+        namespace,
+        "big-worker-1",
+        nodes[4]["metadata"]["name"],
+        body,
+        attested=False,
+        annotations=copied,
+    )
+    status, answer, _ = send(cluster, op, genuine, 2, verdict(genuine, 2, suspect_node=1))
+    assert (status, answer["error"]) == (403, "not_attested"), answer
+    assert "labels the admission webhook selects" in answer["message"]
+    assert [snapshot(cluster, j) for j in (job,)] == before[:1]
     assert cluster.incidents(namespace) == []
     op.stop()
 
