@@ -174,6 +174,7 @@ class ReplayAudit:
         self._rng: RngState | None = None
         self._micro = 0
         self._observe_later = False
+        self._in_hook = False
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
 
@@ -203,6 +204,7 @@ class ReplayAudit:
         self._rng = None
         self._micro = 0
         self._observe_later = False
+        self._in_hook = False
         self._own = _Collector(self.fingerprinter)
 
     def set_loss_fn(self, loss_fn: LossFn) -> None:
@@ -239,6 +241,7 @@ class ReplayAudit:
         self.payload = Payload(batch, rng.cpu, rng.cuda, rng.autocast)
         self.own_loss = loss.detach()
         self._observe_later = self.due and not syncs
+        self._in_hook = self.due and syncs
         if loss.requires_grad:
             payload = self.payload
 
@@ -249,7 +252,7 @@ class ReplayAudit:
 
     @property
     def capturing_in_hook(self) -> bool:
-        return self.due and self.payload is not None and not self._observe_later
+        return self._in_hook
 
     def observe_bucket(self, bucket: dist.GradBucket) -> None:
         """From the comm hook, before the all-reduce: remember each local gradient."""
@@ -514,34 +517,36 @@ class ReplayAudit:
                     works[item[1]] = (Payload.from_bytes(item[2]), item[3])
                 else:
                     replays[item[1]] = item[2]
-        # Row: [rerun reproduces, rereplay reproduces, third ~ original, third ~ replay]
-        row = torch.full((4,), -1.0, dtype=torch.float64)
-        for q in owners:
+        # Per owner: [rerun reproduces, rereplay reproduces, third ~ original, third ~ replay]
+        row = torch.full((len(owners), 4), -1.0, dtype=torch.float64)
+        for k, q in enumerate(owners):
             if me == q:
                 assert self.payload is not None
                 again = self._recompute(self.payload)
-                row[0] = float(not compare(self.own_summary(), again).differs(self._tolerance(q)))
+                row[k, 0] = float(not compare(self.own_summary(), again).differs(self._tolerance(q)))
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
-                row[1] = float(not compare(replayed, again).differs(self._tolerance(me)))
+                row[k, 1] = float(not compare(replayed, again).differs(self._tolerance(me)))
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[2] = float(not compare(original, mine).differs(self._tolerance(me, q)))
-                row[3] = float(not compare(replays[q], mine).differs(self._tolerance(me, ring[q])))
-        table = self._gather(row)
+                row[k, 2] = float(not compare(original, mine).differs(self._tolerance(me, q)))
+                row[k, 3] = float(
+                    not compare(replays[q], mine).differs(self._tolerance(me, ring[q]))
+                )
+        table = [torch.tensor(t).reshape(len(owners), 4).tolist() for t in self._gather(row)]
         out = []
-        for q in owners:
+        for k, q in enumerate(owners):
             t = third.get(q)
             out.append(
                 Recheck(
                     owner=q,
                     replayer=ring[q],
                     third=t,
-                    third_agrees_original=None if t is None else table[t][2] == 1.0,
-                    third_agrees_replay=None if t is None else table[t][3] == 1.0,
-                    rerun_reproduces=table[q][0] == 1.0,
-                    rereplay_reproduces=table[ring[q]][1] == 1.0,
+                    third_agrees_original=None if t is None else table[t][k][2] == 1.0,
+                    third_agrees_replay=None if t is None else table[t][k][3] == 1.0,
+                    rerun_reproduces=table[q][k][0] == 1.0,
+                    rereplay_reproduces=table[ring[q]][k][1] == 1.0,
                 )
             )
         return out
@@ -574,7 +579,7 @@ class ReplayAudit:
 
     def _gather(self, row: torch.Tensor) -> list[list[float]]:
         world = dist.get_world_size(self.group)
-        mine = row.to(self.comm_device)
+        mine = row.reshape(-1).to(self.comm_device)
         out = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]

@@ -165,10 +165,10 @@ def choose_thirds(
     """``third_of[q]``: for each owner whose work is rechecked, a rank on a third node.
 
     Never a rank that may itself be wrong here (an owner being rechecked, or its
-    replayer), never one rank for two rechecks; preferably a rank in no mismatch at all
-    (lowest first), else one whose mismatches the ring already explains (the partner of
-    a persistent rank: its own work was right, a faulty replayer made it differ).
-    Owners without a candidate (fewer than three nodes) are left out.
+    replayer); preferably a rank in no mismatch at all (lowest first), else one whose
+    mismatches the ring already explains (the partner of a persistent rank: its own work
+    was right, a faulty replayer made it differ); preferably one not already chosen for
+    another recheck. Owners without a candidate (fewer than three nodes) are left out.
     """
     suspects = {r for q in owners for r in (q, replayer_of[q])}
     taken: set[int] = set()
@@ -176,8 +176,8 @@ def choose_thirds(
     for q in owners:
         avoid = {nodes[q], nodes[replayer_of[q]]}
         ok = [t for t in range(len(nodes)) if nodes[t] not in avoid]
-        ok = [t for t in ok if t not in suspects and t not in taken]
-        ranked = [t for t in ok if t not in involved] + [t for t in ok if t in involved]
+        ok = [t for t in ok if t not in suspects]
+        ranked = sorted(ok, key=lambda t: (t in involved, t in taken, t))
         if ranked:
             out[q] = ranked[0]
             taken.add(ranked[0])
