@@ -239,7 +239,9 @@ class ReplayAudit:
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
         self.payload = Payload(batch, rng.cpu, rng.cuda, rng.autocast)
-        self.own_loss = loss.detach()
+        # A copy: loops scale the loss tensor in place (the Trainer multiplies it by the
+        # world size when averaging tokens across devices).
+        self.own_loss = loss.detach().clone()
         self._observe_later = self.due and not syncs
         self._in_hook = self.due and syncs
         if loss.requires_grad:

@@ -133,8 +133,9 @@ class StepFlags:
         return total
 
     def skip_tensor(self) -> torch.Tensor:
-        """``[1]`` float on the device: 1 when any rank is non-finite or halts."""
-        return (self.gathered().sum() > 0).to(torch.float32).reshape(1)
+        """A 0-dim float on the device (the shape fused optimizers take): 1 when any rank
+        is non-finite or halts."""
+        return (self.gathered().sum() > 0).to(torch.float32)
 
     def read(self) -> tuple[list[bool], bool]:
         """``(non-finite before the all-reduce, by rank; anyone halts)`` on the host."""
