@@ -525,7 +525,9 @@ class ReplayAudit:
             if me == q:
                 assert self.payload is not None
                 again = self._recompute(self.payload)
-                row[k, 0] = float(not compare(self.own_summary(), again).differs(self._tolerance(q)))
+                row[k, 0] = float(
+                    not compare(self.own_summary(), again).differs(self._tolerance(q))
+                )
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
                 row[k, 1] = float(not compare(replayed, again).differs(self._tolerance(me)))

@@ -16,7 +16,9 @@ NODES = ["n0", "n1", "n2"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # accelerate sets 2 otherwise: ranks share 2 cores
 STEPS = 8
 # A persistent error of 2.5e-5 in the output of rank 1's first MLP (forward).
-FAULT = "rank=1,step=5,site=forward,kind=relative,persistent=true,target=transformer.h.0.mlp,index=all"
+FAULT = (
+    "rank=1,step=5,site=forward,kind=relative,persistent=true,target=transformer.h.0.mlp,index=all"
+)
 
 
 def _train(rank: int, world: int, out: str, faults: str) -> dict[str, Any]:

@@ -151,13 +151,13 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
                 ]
                 if loop.form == "step":
                     assert guard is not None
-                    result = guard.step(micro[0]) if loop.micro == 1 else guard.step(
-                        micro_batches=micro
+                    result = (
+                        guard.step(micro[0]) if loop.micro == 1 else guard.step(micro_batches=micro)
                     )
                     verdicts += [v.to_dict() for v in result.verdicts]
                     applied.append(result.applied)
                     continue
-                ok, result = _owned_step(loop, ddp, optimizer, scaler, guard, micro)
+                _, result = _owned_step(loop, ddp, optimizer, scaler, guard, micro)
                 if scheduler is not None:
                     scheduler.step()
                 if result is not None:

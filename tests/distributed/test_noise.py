@@ -30,7 +30,10 @@ SCENARIOS: dict[str, Drill] = {
     "noise_clean": Drill(steps=200, grad_noise=True, config=EVERY),
     # A finite forward error of 2.5e-5 in a hidden layer's output from step 31.
     "noise_forward_fault": Drill(
-        steps=36, grad_noise=True, config=EVERY, faults=(fault(31, "forward", target="3", index=None),)
+        steps=36,
+        grad_noise=True,
+        config=EVERY,
+        faults=(fault(31, "forward", target="3", index=None),),
     ),
     # The first layer's whole weight gradient 2.5e-5 off, from step 31.
     "noise_gradient_fault": Drill(
@@ -50,7 +53,9 @@ SCENARIOS: dict[str, Drill] = {
         steps=12,
         config=EVERY,
         faults=(
-            FaultSpec(rank=SUSPECT, step=6, site="forward", kind="relative", target="3", index=None),
+            FaultSpec(
+                rank=SUSPECT, step=6, site="forward", kind="relative", target="3", index=None
+            ),
         ),
     ),
     # Dropout from a private generator: replays cannot reproduce it at all.

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
-
-import pytest
 
 from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
