@@ -371,7 +371,6 @@ class ReplayAudit:
         replayed: Summary | None,
     ) -> AuditOutcome:
         ring = self.replayer_of
-        self.noise.count(comparisons.values())
         self.stats.audits += 1
         self.stats.comparisons += len(comparisons)
         self.stats.differing += sum(not c.bitwise_equal for c in comparisons.values())
@@ -391,6 +390,7 @@ class ReplayAudit:
         if mismatched:
             self.stats.mismatch_steps.append(self.step)
         if self.calibrate or not mismatched:
+            self.noise.count(comparisons.values())
             return AuditOutcome(None, evidence if mismatched else {}, True, learned)
         explanation = explain_mismatches(mismatched, ring, max_mismatches=self.max_mismatches)
         rechecks: list[Recheck] = []
@@ -402,7 +402,10 @@ class ReplayAudit:
                 evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks]
         finding = resolve(explanation, rechecks)
         if finding.classification != "nondeterministic":
+            # A hardware fault says nothing about the job's reproducibility: count the rest.
+            self.noise.count(c for p, c in comparisons.items() if p not in mismatched)
             return AuditOutcome(finding, evidence, False, learned)
+        self.noise.count(comparisons.values())
         # Not hardware: the job's computation varies this much. Learn it (never drop a
         # step for it), or, beyond any plausible noise, stop vouching for steps.
         largest = max(comparisons[p].magnitude for p in mismatched)
