@@ -208,7 +208,11 @@ def _runners(
             runners[name] = (plain, None)
         else:
             guard = Guard(ddp, opt, loss_of, GuardConfig(**config), reporter=None)
-            runners[name] = (lambda guard=guard: guard.step(data), guard)
+
+            def guarded(guard: Guard = guard) -> object:
+                return guard.step(data)
+
+            runners[name] = (guarded, guard)
     return runners
 
 

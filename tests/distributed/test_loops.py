@@ -53,7 +53,7 @@ def _patch_gelu(rank: int, kind: str) -> None:
     import torch.nn.functional as F
 
     original = F.gelu
-    fired = []
+    fired: list[bool] = []
 
     def gelu(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = original(x, *args, **kwargs)
@@ -72,7 +72,7 @@ def _patch_gelu(rank: int, kind: str) -> None:
             return y + nan
         return y
 
-    F.gelu = gelu
+    F.gelu = gelu  # type: ignore[assignment]
 
 
 def _model(loop: Loop) -> Any:

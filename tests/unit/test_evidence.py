@@ -17,8 +17,8 @@ def summary(loss: float, grads: list[torch.Tensor]) -> Summary:
     return Summary(
         loss_bits=int(loss_t.view(torch.int32).item()),
         loss=float(loss_t),
-        fingerprints=tuple(tuple(fp(g).tolist()) for g in grads),  # type: ignore[misc]
-        stats=tuple(tuple(tensor_stats(g).tolist()) for g in grads),  # type: ignore[misc]
+        fingerprints=tuple(tuple(fp(g).tolist()) for g in grads),
+        stats=tuple(tuple(tensor_stats(g).tolist()) for g in grads),
     )
 
 

@@ -51,7 +51,7 @@ def model_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     return model(**batch).loss
 
 
-class SDCCallback(TrainerCallback):  # type: ignore[misc]
+class SDCCallback(TrainerCallback):
     """See the module docstring. ``trainer``: the Trainer to guard."""
 
     def __init__(
