@@ -440,7 +440,9 @@ class Guard:
         Where the optimizer skips on the device (``fused=True``), a non-finite gradient
         holds the step back there, with no host synchronisation, and this returns true:
         call ``optimizer.step()`` (or ``scaler.step``) as usual. Calling it after a false
-        return is safe too: the step then changes nothing.
+        return is safe too: the step then changes nothing. With ``scaler=`` a held step
+        has its gradients unscaled here, so ``scaler.update()`` works without
+        ``scaler.step()`` (and backs off only if the scaler itself found an overflow).
         """
         if self._phase == IDLE:
             raise SDCError(
@@ -464,8 +466,17 @@ class Guard:
         if self._audit.due and self._audit.payload is not None and not self._hold:
             self._run_audit()
         self._gate.arm(skip=skip, hold=self._hold)
+        if self._hold and self.scaler is not None:
+            self._let_the_scaler_keep_its_books()
         self._phase = DECIDED
         return not self._hold
+
+    def _let_the_scaler_keep_its_books(self) -> None:
+        # A loop that skips scaler.step() still calls scaler.update(), which needs the
+        # scaler to have checked this step's gradients: unscale them (the step is held
+        # back, so nothing uses them). Already unscaled (clipping): nothing to do.
+        with contextlib.suppress(RuntimeError):
+            self.scaler.unscale_(self.optimizer)
 
     def _read_flags(self) -> None:
         self._flags_read = True

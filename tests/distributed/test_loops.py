@@ -39,6 +39,7 @@ class Loop:
     compile: bool = False
     fault: str | None = None  # "error" (finite, persistent) or "nan" (once)
     replay_every: int = 1
+    init_scale: float = 1024.0
 
 
 class _State:
@@ -127,7 +128,7 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
         torch.manual_seed(100 + rank)  # a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=loop.fused)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if loop.scheduler else None
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if loop.scaler else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=loop.init_scale) if loop.scaler else None
         guard = None
         if loop.guarded:
             config = GuardConfig(
@@ -223,6 +224,8 @@ FORMS: dict[str, Loop] = {
     "checkpoint_non_reentrant": Loop(checkpoint="non_reentrant", micro=2),
     "compiled_inner_module": Loop(compile=True),
 }
+# A loss scale far too large: GradScaler's own skipped steps (every rank overflows).
+OVERFLOW = Loop(scaler=True, init_scale=2.0**24, steps=12)
 
 
 def _runs() -> list[Loop]:
@@ -233,7 +236,7 @@ def _runs() -> list[Loop]:
             loops.append(dataclasses.replace(form, guarded=False))
         loops.append(dataclasses.replace(form, fault="error"))
         loops.append(dataclasses.replace(form, fault="nan"))
-    return loops
+    return [*loops, OVERFLOW, dataclasses.replace(OVERFLOW, guarded=False)]
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +305,15 @@ def test_nan_on_one_rank_is_caught_at_its_step(
         assert (first["corroborated"], first["transient"]) == (True, True)
     else:
         assert first["corroborated"] is False
+
+
+def test_grad_scaler_overflow_steps_are_the_scalers_not_verdicts(
+    results: dict[Loop, list[dict[str, Any]]],
+) -> None:
+    r = _agreed(results[OVERFLOW])
+    assert r["verdicts"] == [], "an overflow on every rank is not hardware"
+    skipped = r["applied"].count(False)
+    assert 0 < skipped < OVERFLOW.steps, "the scaler skipped its first steps, then trained"
+    assert r["applied"][-1] is True
+    plain = results[dataclasses.replace(OVERFLOW, guarded=False)]
+    assert plain[0]["weights"] == r["weights"], "guarded training differs from plain DDP"
