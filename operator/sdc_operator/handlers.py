@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import boto3
 import kopf
 from aiohttp import web
 
-from . import incidents
+from . import incidents, jobwatch  # noqa: F401  (jobwatch registers the job watches)
 from .auth import Authenticator, StaticTokens, TokenReviewer
 from .engine import IncidentEngine
 from .intake import Intake
@@ -26,8 +27,11 @@ from .kube import Kube, load_config
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .names import GROUP, INCIDENT_PLURAL, VERSION
+from .optin import OptIn, trusted_pod_creators
 from .remediate import HyperPodNodes
 from .settings import OperatorSettings
+from .trust_bundle import ServingCertificate
+from .webhook import WebhookSettings
 
 __all__ = ["Operator"]
 
@@ -72,13 +76,32 @@ class Operator:
         )
         self._runner: web.AppRunner | None = None
         self._resync: asyncio.Task[None] | None = None
+        # The admission webhook (same server, same TLS), CA publishing and the job watch.
+        # Until the operator has its own attestation key and leader flag, a per-process key
+        # and "always the leader" stand in for them.
+        self.serving = None
+        if settings.tls_cert_file and settings.tls_key_file:
+            self.serving = ServingCertificate(settings.tls_cert_file, settings.tls_key_file)
+        webhook_settings = WebhookSettings.from_env()
+        stub_key = secrets.token_bytes(32)
+        self.optin = OptIn(
+            self.kube,
+            webhook_settings,
+            token_audience=settings.token_audience,
+            trusted_creators=lambda: trusted_pod_creators(settings, webhook_settings),
+            key=lambda: getattr(self, "attestation_key", None) or stub_key,
+            leader=lambda: True,
+            registry=self.metrics.registry,
+            serving=self.serving,
+        )
 
     async def start(self) -> None:
-        ssl_context = None
-        if self.settings.tls_cert_file and self.settings.tls_key_file:
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(self.settings.tls_cert_file, self.settings.tls_key_file)
-        self._runner = web.AppRunner(self.intake.app(), access_log=None)
+        ssl_context: ssl.SSLContext | None = None
+        if self.serving is not None:
+            ssl_context = self.serving.context
+        app = self.intake.app()
+        self.optin.add_routes(app)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(
             self._runner,
@@ -94,6 +117,7 @@ class Operator:
             self.settings.listen_port,
         )
         self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
+        await self.optin.start()
 
     async def _resync_forever(self) -> None:
         while True:
@@ -104,6 +128,7 @@ class Operator:
             await asyncio.sleep(self.settings.resync_seconds)
 
     async def stop(self) -> None:
+        await self.optin.stop()
         if self._resync is not None:
             self._resync.cancel()
             await asyncio.gather(self._resync, return_exceptions=True)

@@ -9,7 +9,9 @@ then the oldest checkpoint record; verdicts are never dropped.
 
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
-rotated token is picked up. TLS: the system trust store, or ``ca_bundle``.
+rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
+again when the file changes (its modification time, size or inode: the kubelet updates a
+mounted ConfigMap by swapping a symlink), so a rotated CA does not break delivery.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class Reporter:
         self._attempt = 0  # consecutive failed attempts: the back-off grows with them
         self._token: str | None = None
         self._token_stamp: tuple[float, int] | None = None
-        self._ssl = ssl.create_default_context(cafile=config.ca_bundle)
+        self._ssl_stamp: tuple[int, int, int, int] | None = None
+        self._ssl = self._tls_context(initial=True)
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
@@ -257,6 +260,36 @@ class Reporter:
             log.warning("sdc_agent: cannot read token file %s: %s", path, exc)
         return self._token
 
+    def _current_tls(self) -> ssl.SSLContext:
+        self._ssl = self._tls_context()
+        return self._ssl
+
+    def _tls_context(self, initial: bool = False) -> ssl.SSLContext:
+        """The TLS context, built again when the CA bundle file changed. A bundle that
+        cannot be read later (mid-rotation) keeps the context in use; at start it fails."""
+        path = self.config.ca_bundle
+        if path is None:
+            return self._ssl if not initial else ssl.create_default_context()
+        stamp = None
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+            if not initial and stamp == self._ssl_stamp:
+                return self._ssl
+            context = ssl.create_default_context(cafile=path)
+        except (OSError, ssl.SSLError) as exc:
+            if initial:
+                raise
+            self._ssl_stamp = stamp  # said once per version of the file
+            log.warning(
+                "sdc_agent: cannot read the CA bundle %s again, keeping the last: %s", path, exc
+            )
+            return self._ssl
+        if not initial:
+            log.info("sdc_agent: the CA bundle %s changed; using it from now on", path)
+        self._ssl_stamp = stamp
+        return context
+
     def _send(self, report: Report) -> str:
         """``delivered``, ``refused`` (do not retry) or ``retry``."""
         body = encode_report(report)
@@ -268,7 +301,7 @@ class Reporter:
             with urllib.request.urlopen(
                 request,
                 timeout=self.config.timeout_seconds,
-                context=self._ssl if self.url.startswith("https") else None,
+                context=self._current_tls() if self.url.startswith("https") else None,
             ) as response:
                 response.read()
             return "delivered"
