@@ -55,6 +55,7 @@ run with the job's image and privileges, never the operator's.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -154,6 +155,8 @@ _HOOK_DICTS = (
 )
 # What is written, in the order it is kept when the cap does not fit everything.
 _PARTS = ("rng.pt", "batch.pt", "weights.pt", "module.pt")
+_EXIT_WAIT_SECONDS = 120.0
+"""At interpreter exit, how long a bundle still being written may hold the process."""
 _ALIGN = 64  # bytes: every tensor's slice of the pinned staging buffer starts aligned
 
 
@@ -777,6 +780,8 @@ class BundleWriter:
                     target=self._run, name="sdc-bundle-writer", daemon=True
                 )
                 self._thread.start()
+                # A process that ends without close() still finishes the bundle in hand.
+                atexit.register(self.close, _EXIT_WAIT_SECONDS)
             self._cond.notify_all()
         return path
 
@@ -834,10 +839,17 @@ class BundleWriter:
 
     def close(self, timeout: float | None = 60.0) -> bool:
         """Finish what was submitted (up to ``timeout``), then stop the thread."""
+        started = time.monotonic()
         done = self.wait(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and done:
+            # A writer thread still inside torch at interpreter exit aborts the process
+            # ("terminate called without an active exception"): let it end first.
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+            thread.join(left)
         return done
 
 
