@@ -157,6 +157,7 @@ _HOOK_DICTS = (
 _PARTS = ("rng.pt", "batch.pt", "weights.pt", "module.pt")
 _EXIT_WAIT_SECONDS = 120.0
 """At interpreter exit, how long a bundle still being written may hold the process."""
+_CHUNK = 1 << 22  # bytes hashed and written at a time
 _ALIGN = 64  # bytes: every tensor's slice of the pinned staging buffer starts aligned
 
 
@@ -642,14 +643,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _HashingFile:
+    """What ``torch.save`` writes into: the file, hashed on the way (no second read of a
+    large bundle), in chunks so the GIL is free between them."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115  (closed by _save)
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start : start + _CHUNK]
+            self.digest.update(chunk)  # releases the GIL for large buffers
+            self.file.write(chunk)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _save(obj: Any, path: Path) -> tuple[int, str]:
-    torch.save(obj, path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-        os.fsync(f.fileno())
-    return path.stat().st_size, digest.hexdigest()
+    out = _HashingFile(path)
+    try:
+        torch.save(obj, out)
+        out.file.flush()
+        os.fsync(out.file.fileno())
+    finally:
+        out.file.close()
+    return out.size, out.digest.hexdigest()
 
 
 def _required(how: str) -> tuple[str, ...]:
