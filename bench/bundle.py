@@ -136,7 +136,8 @@ def measure(
         writes.append(result_.seconds)
         sizes.append(sum(f.stat().st_size for f in path.iterdir()))
     writer.close()
-    files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
+    last = writer.results[-1].path
+    files = {f.name: f.stat().st_size for f in sorted(last.iterdir())}
     plain_ms = statistics.fmean(plain) * 1e3
     during_ms = statistics.fmean(during) * 1e3
     return {

@@ -668,7 +668,7 @@ class _HashingFile:
 def _save(obj: Any, path: Path) -> tuple[int, str]:
     out = _HashingFile(path)
     try:
-        torch.save(obj, out)
+        torch.save(obj, out)  # type: ignore[arg-type]  # it needs write() only
         out.file.flush()
         os.fsync(out.file.fileno())
     finally:
