@@ -423,6 +423,8 @@ def _numerics() -> dict[str, Any]:
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        # CPU kernels split reductions by thread: another count, other gradient bits.
+        "cpu_threads": torch.get_num_threads(),
     }
 
 

@@ -55,6 +55,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,10 @@ def apply_numerics(numerics: Mapping[str, Any]) -> list[str]:
         )
         torch.use_deterministic_algorithms(True)
         done.append("deterministic_algorithms")
+    threads = numerics.get("cpu_threads")
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+        torch.set_num_threads(threads)
+        done.append(f"cpu_threads={threads}")
     precision = numerics.get("float32_matmul_precision")
     if precision in ("highest", "high", "medium"):
         torch.set_float32_matmul_precision(precision)
@@ -293,35 +298,14 @@ def replay_on(
         return out
     if specs or notes:
         out["emulated_faults"] = [str(s) for s in specs] + notes
-    tolerance = bundle.tolerance
+    # replay() puts the CUDA RNG state back on the current device: make it this one.
+    current = torch.cuda.device(slot.device) if slot.device.type == "cuda" else nullcontext()
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            result, names = recompute_bundle(module, loss_fn, payload, slot.device)
-            grads = list(result.grads)
-            for spec in injector.pending("grad_local"):
-                if spec.target in names and injector.fire(spec):
-                    i = names.index(spec.target)
-                    g = grads[i]
-                    if g is not None:
-                        g = g.clone()
-                        corrupt_(g, spec)
-                        grads[i] = g
-            if slot.device.type == "cuda":
-                torch.cuda.synchronize(slot.device)
-            seconds = time.perf_counter() - t0
-            candidate = reference_of(type(result)(result.loss, grads), names, fingerprinter)
-            verdict = compare(
-                bundle.reference,
-                candidate,
-                bit_reproducible=tolerance.bit_reproducible,
-                gradient_tolerance=tolerance.gradient_tolerance,
-                suspect_result=bundle.manifest.get("suspect_result"),
-            )
-            verdict["seconds"] = round(seconds, 6)
-            verdict["loss_bits"] = candidate["loss_bits"]
-            verdict["gradient_fingerprint"] = candidate["gradient_fingerprint"]
-            out["repeats"].append(verdict)
+        with current:
+            for _ in range(repeats):
+                out["repeats"].append(
+                    _recompute_once(bundle, module, loss_fn, payload, slot, injector, fingerprinter)
+                )
     except Exception as exc:
         out.update(result="could-not-run", why=f"recomputing failed: {type(exc).__name__}: {exc}")
         return out
@@ -338,6 +322,46 @@ def replay_on(
         out["why"] = f"the reference came back in all {repeats} recomputations"
     out["seconds"] = round(time.perf_counter() - started, 6)
     return out
+
+
+def _recompute_once(
+    bundle: Bundle,
+    module: torch.nn.Module,
+    loss_fn: Any,
+    payload: Any,
+    slot: Slot,
+    injector: FaultInjector,
+    fingerprinter: Fingerprinter,
+) -> dict[str, Any]:
+    """One recomputation on ``slot``, compared with the reference."""
+    started = time.perf_counter()
+    result, names = recompute_bundle(module, loss_fn, payload, slot.device)
+    grads = list(result.grads)
+    # The local-gradient faults the audit applies to replayed gradients, aimed by name.
+    for spec in injector.pending("grad_local"):
+        if spec.target in names and injector.fire(spec):
+            i = names.index(spec.target)
+            g = grads[i]
+            if g is not None:
+                g = g.clone()
+                corrupt_(g, spec)
+                grads[i] = g
+    if slot.device.type == "cuda":
+        torch.cuda.synchronize(slot.device)
+    seconds = time.perf_counter() - started
+    candidate = reference_of(type(result)(result.loss, grads), names, fingerprinter)
+    tolerance = bundle.tolerance
+    verdict = compare(
+        bundle.reference,
+        candidate,
+        bit_reproducible=tolerance.bit_reproducible,
+        gradient_tolerance=tolerance.gradient_tolerance,
+        suspect_result=bundle.manifest.get("suspect_result"),
+    )
+    verdict["seconds"] = round(seconds, 6)
+    verdict["loss_bits"] = candidate["loss_bits"]
+    verdict["gradient_fingerprint"] = candidate["gradient_fingerprint"]
+    return verdict
 
 
 # -- the stress check ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdc_agent.bundle import BundleSettings, Tolerance, read_bundle
+from sdc_agent.bundle import BundleSettings, Tolerance, read_bundle, recompute, reference_of
 from sdc_agent.confirm import (
     EXIT_CODES,
     TERMINATION_LOG_LIMIT,
@@ -31,8 +31,9 @@ from sdc_agent.confirm import (
     main,
     run_dcgmi,
 )
+from sdc_agent.replay import Payload
 
-from .test_bundle import Net, healthy, make_batch, snapshot, written
+from .test_bundle import CPU, Net, healthy, make_batch, snapshot, written
 from .training_script import FAULT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,6 +234,35 @@ def test_bad_fault_settings_are_unknown_not_a_crash(tmp_path: Path) -> None:
     result = confirm(path, env={FAULTS_ENV: "rank=3,step=1,site=forward,kind=nan,target=nope"})
     assert result["gpus"][0]["result"] == "could-not-run"
     assert "no module named 'nope'" in result["gpus"][0]["why"]
+
+
+def wide_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).square().sum()
+
+
+def test_the_jobs_cpu_thread_count_is_used(tmp_path: Path) -> None:
+    """CPU kernels split large reductions by thread (here the loss's sum over 4 M outputs;
+    matmuls gave the same bits at 1 and 2 threads): the job's count must be the
+    confirmation's, or a healthy CPU gives other bits and would be accused."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(22)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 1024))
+        payload = Payload.capture(torch.randn(4096, 16), 1, copy=True)
+        result, names = recompute(model, wide_loss, payload, CPU)
+        reference = reference_of(result, names)
+        bundle = written(tmp_path, snapshot(model, payload, reference, loss_fn=wide_loss))
+        assert bundle.manifest["numerics"]["cpu_threads"] == 1
+        torch.set_num_threads(2)
+        other, _ = recompute(model, wide_loss, payload, CPU)
+        premise = reference_of(other, names)["loss_bits"] != reference["loss_bits"]
+        result_ = confirm(bundle.path, env={}, **QUICK)
+        assert result_["outcome"] == "not-confirmed", result_["reason"]
+        assert torch.get_num_threads() == 1 and "cpu_threads=1" in result_["numerics"]
+        assert premise or (os.cpu_count() or 1) < 2, "two threads gave the same bits here"
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- pure parts ----------------------------------------------------------------------------
