@@ -265,6 +265,41 @@ def test_the_jobs_cpu_thread_count_is_used(tmp_path: Path) -> None:
         torch.set_num_threads(before)
 
 
+# The e2e demo's broken GPU (scripts/e2e_demo.py, fault_spec(3)): GPU 1 of the faulty node.
+DEMO_FAULT = (
+    "rank=3,step=23,site=forward,kind=relative,relative_error=2.5e-5,"
+    "persistent=true,target=0,index=all"
+)
+
+
+def test_the_demos_model_and_fault(tmp_path: Path) -> None:
+    """examples/train.py's net and loss function, recorded by reference to the script (its
+    main() must not run), with the demo's fault: what phase 2's demo will confirm."""
+    import importlib.util
+
+    script = ROOT / "examples" / "train.py"
+    spec = importlib.util.spec_from_file_location("train", script)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+    )  # as train.py builds it
+    payload = Payload.capture(train.batch_for(30, 3, CPU), 1, copy=True)
+    result, names = recompute(net, train.loss_fn, payload, CPU)
+    reference = reference_of(result, names)
+    code = {"script": str(script), "main_module": None, "sys_path": [str(script.parent)]}
+    snap = snapshot(net, payload, reference, loss_fn=train.loss_fn, code=code)
+    bundle = written(tmp_path, snap)
+    assert bundle.manifest["model"]["loss_fn"] == "train:loss_fn"
+    broken = confirm(bundle.path, env={FAULTS_ENV: DEMO_FAULT}, **QUICK)
+    assert broken["outcome"] == "confirmed", broken["reason"]
+    assert broken["gpus"][0]["replay"]["repeats"][0]["loss_equal"] is False
+    healthy_node = confirm(bundle.path, env={}, **QUICK)
+    assert healthy_node["outcome"] == "not-confirmed", healthy_node["reason"]
+
+
 # -- pure parts ----------------------------------------------------------------------------
 
 REF = {
