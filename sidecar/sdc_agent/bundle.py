@@ -1074,8 +1074,9 @@ def _resolve(reference: str, script: ModuleType | None, where: str) -> Any:
 def _install_weights(
     module: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device
 ) -> None:
-    """Put ``weights`` (by name) into ``module`` on ``device``: meta tensors are replaced
-    (ties kept), real ones are copied into."""
+    """Put ``weights`` (by name) into ``module`` on ``device``: meta tensors (an unpickled
+    skeleton) are replaced, ties kept; real ones (a factory's module) are copied into, so
+    whatever else holds them (ties, weight caches) sees the same tensors."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     missing = sorted((set(params) | set(buffers)) - set(weights))
@@ -1093,14 +1094,18 @@ def _install_weights(
                 f"weights.pt.{name}",
                 f"{tuple(w.shape)} {w.dtype} does not fit the model's {tuple(t.shape)} {t.dtype}",
             )
+        if not t.is_meta:
+            with torch.no_grad():
+                t.copy_(w)
+            continue
         real = w.to(device, copy=True)
         replaced[id(t)] = nn.Parameter(real, t.requires_grad) if name in params else real
     for sub in module.modules():
         for key, p in list(sub._parameters.items()):
-            if p is not None:
+            if p is not None and id(p) in replaced:
                 sub._parameters[key] = replaced[id(p)]  # type: ignore[assignment]
         for key, b in list(sub._buffers.items()):
-            if b is not None:
+            if b is not None and id(b) in replaced:
                 sub._buffers[key] = replaced[id(b)]
 
 

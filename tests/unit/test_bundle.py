@@ -287,10 +287,16 @@ def test_a_module_that_does_not_pickle_still_gives_weights_for_a_factory(tmp_pat
     assert reference_of(result, names)["loss_bits"] == reference["loss_bits"]
 
 
+BUILT: list[tuple[Net, torch.Tensor]] = []
+"""What build() made: the module, and its first weight as built."""
+
+
 def build() -> tuple[nn.Module, Any]:
     """A bundle factory: the model with fresh (wrong) weights; the bundle's replace them."""
     torch.manual_seed(12345)
-    return Net(), loss_fn
+    net = Net()
+    BUILT.append((net, net.inp.weight))
+    return net, loss_fn
 
 
 def test_a_factory_setting_is_recorded_and_used(tmp_path: Path) -> None:
@@ -302,6 +308,12 @@ def test_a_factory_setting_is_recorded_and_used(tmp_path: Path) -> None:
     assert bundle.manifest["model"]["how"] == "factory"
     assert "module.pt" not in bundle.manifest["files"] and bundle.complete
     rebuild_and_check(bundle)
+    # The weights are copied into the factory's own tensors: ties and references to them
+    # stay valid.
+    rebuilt: Any = bundle.rebuild(CPU)[0]
+    built, weight = BUILT[-1]
+    assert rebuilt is built and rebuilt.inp.weight is weight
+    assert torch.equal(weight, model.inp.weight) and rebuilt.mid2.weight is rebuilt.mid.weight
 
 
 def test_the_writer_never_blocks_and_drops_what_it_cannot_queue(tmp_path: Path) -> None:
