@@ -65,6 +65,7 @@ import torch
 from .bundle import (
     BUNDLE_FACTORY_ENV,
     GRADIENTS_OF,
+    MANIFEST,
     REFERENCE_VERSION,
     Bundle,
     read_bundle,
@@ -598,13 +599,23 @@ def confirm(
     stress_iterations: int | None = None,
     dcgmi: bool = True,
     dcgmi_timeout: float = 1800.0,
+    wait: float = 0.0,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The confirmation result (a JSON-able dict). Never raises for a bad bundle or a
-    failing device: those are ``unknown`` and ``could-not-run`` with their reasons."""
+    failing device: those are ``unknown`` and ``could-not-run`` with their reasons.
+    ``wait``: seconds to wait for the bundle to appear (it is written in the background
+    after the verdict names it; renamed into place whole, so its manifest appearing means
+    it is complete)."""
     started = time.perf_counter()
     env = os.environ if env is None else env
     result = _base_result(str(bundle_path))
+    manifest = Path(bundle_path) / MANIFEST
+    deadline = time.monotonic() + wait
+    while not manifest.exists() and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if wait and not manifest.exists():
+        return _finish(result, "unknown", f"no bundle at {bundle_path} after {wait:g} s", started)
     try:
         bundle = read_bundle(bundle_path)
     except BundleError as exc:
@@ -776,6 +787,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dcgmi-timeout", type=float, default=1800.0, help="seconds for dcgmi diag (default 1800)"
     )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait for the bundle to appear (it is written after the verdict)",
+    )
     return parser
 
 
@@ -797,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stress_iterations=args.stress_iterations,
             dcgmi=not args.no_dcgmi,
             dcgmi_timeout=args.dcgmi_timeout,
+            wait=args.wait,
         )
     except Exception as exc:  # a bug here must still leave a readable result behind
         traceback.print_exc()

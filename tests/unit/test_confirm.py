@@ -166,6 +166,24 @@ def test_a_damaged_or_missing_bundle_is_unknown_with_the_reason(
     assert brief["outcome"] == "unknown" and "not a directory" in brief["reason"]
 
 
+def test_waiting_for_a_bundle_still_being_written(tmp_path: Path) -> None:
+    import threading
+
+    later = tmp_path / "later"
+    source = in_process_bundle(tmp_path / "src")
+    shutil.copytree(source, tmp_path / ".later.tmp")
+    # Renamed into place whole, as BundleWriter does.
+    mover = threading.Timer(1.0, lambda: os.rename(tmp_path / ".later.tmp", later))
+    mover.start()
+    try:
+        result = confirm(later, env={}, wait=30, **QUICK)
+    finally:
+        mover.join()
+    assert result["outcome"] == "not-confirmed", result["reason"]
+    never = confirm(tmp_path / "never", env={}, wait=0.5, **QUICK)
+    assert never["outcome"] == "unknown" and "after 0.5 s" in never["reason"]
+
+
 def test_an_incomplete_bundle_is_unknown_but_the_stress_check_still_runs(tmp_path: Path) -> None:
     torch.manual_seed(20)
     model = Net()
