@@ -1178,16 +1178,18 @@ class Bundle:
         return self._cache[name]
 
     def payload(self) -> Payload:
-        """The micro-batch with its RNG and autocast state, as the audit replays it."""
+        """The micro-batch with its RNG and autocast state, as the audit replays it: a fresh
+        copy each time, so a model or loss function that changes its inputs in place cannot
+        change the next recomputation."""
         rng = self.load("rng.pt")
         micro = self.manifest["micro_batch"]
         autocast = {
             dev: (bool(s["enabled"]), _parse_dtype(s["dtype"], f"micro_batch.autocast.{dev}"))
             for dev, s in micro["autocast"].items()
         }
-        return Payload(
-            self.load("batch.pt"), int(micro["divisor"]), rng["cpu"], rng["cuda"], autocast
-        )
+        batch = _map_tensors(self.load("batch.pt"), lambda t: t.clone())
+        cuda = None if rng["cuda"] is None else rng["cuda"].clone()
+        return Payload(batch, int(micro["divisor"]), rng["cpu"].clone(), cuda, autocast)
 
     def rebuild(
         self, device: torch.device, *, factory: str | None = None

@@ -284,7 +284,7 @@ def replay_on(
     started = time.perf_counter()
     try:
         module, loss_fn = bundle.rebuild(slot.device, factory=factory)
-        payload = bundle.payload()
+        bundle.payload()  # fails here, not in the middle of the repeats, if it cannot load
     except Exception as exc:  # BundleError, or the user's code failing to import or build
         out.update(result="could-not-run", why=f"rebuilding the model failed: {exc}")
         return out
@@ -304,6 +304,8 @@ def replay_on(
     try:
         with current:
             for _ in range(repeats):
+                # A fresh copy of the micro-batch each time (Bundle.payload).
+                payload = bundle.payload()
                 out["repeats"].append(
                     _recompute_once(bundle, module, loss_fn, payload, slot, injector, fingerprinter)
                 )

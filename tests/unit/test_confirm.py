@@ -254,6 +254,26 @@ def test_bad_fault_settings_are_unknown_not_a_crash(tmp_path: Path) -> None:
     assert "no module named 'nope'" in result["gpus"][0]["why"]
 
 
+def inplace_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A loss function that scales its input in place (the audit's copy allows it)."""
+    return model(batch.mul_(2.0)).square().mean()
+
+
+def test_a_loss_that_changes_its_input_in_place_recomputes_alike(tmp_path: Path) -> None:
+    torch.manual_seed(23)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    payload = Payload.capture(torch.randn(4, 8), 1, copy=True)
+    result, names = recompute(
+        model, inplace_loss, Payload.capture(payload.batch, 1, copy=True), CPU
+    )
+    bundle = written(
+        tmp_path,
+        snapshot(model, payload, reference_of(result, names), loss_fn=inplace_loss),
+    )
+    result_ = confirm(bundle.path, env={}, **QUICK)
+    assert result_["outcome"] == "not-confirmed", result_["reason"]
+
+
 def wide_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).square().sum()
 
