@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The main demo, end to end on one machine: a real Kubernetes API server, the operator and
-# a 6-rank DDP job (CPU, gloo) with a corrupting GPU on one node: detected, localized,
+# a 6-rank DDP job (CPU, gloo) that opts in with one annotation (the operator's webhook wires
+# its pods), with a corrupting GPU on one node: detected, localized,
 # contained, resumed from a clean checkpoint, finished with the weights of a clean run.
 # Extra arguments go to scripts/e2e_demo.py (--keep DIR keeps the logs).
 #
 # The agent alone, without Kubernetes: .venv/bin/python -m sdc_agent.demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh agent,operator
+# test: helm-python-sdk renders the chart's webhook configuration, which the demo registers
+scripts/bootstrap.sh agent,operator,test
 scripts/kube-apiserver.sh build >/dev/null  # the first time only: about 5.5 minutes, cached
 exec .venv/bin/python scripts/e2e_demo.py "$@"

@@ -4,15 +4,22 @@ run without the fault.
 
     .venv/bin/python scripts/e2e_demo.py [--json result.json] [--keep DIR]
 
-Real: the Kubernetes API server and etcd (scripts/kube-apiserver.sh), the SDCIncident CRD and
-Kubeflow's PyTorchJob CRD, the operator (``python -m sdc_operator``), the agent in every
-worker (``examples/train.py``: DDP on CPU with gloo), TokenRequest/TokenReview.
+Real: the Kubernetes API server and etcd (scripts/kube-apiserver.sh), the CRDs (SDCIncident,
+SDCPolicy, Kubeflow's PyTorchJob), the operator (``python -m sdc_operator``) over HTTPS with
+its admission webhook registered as the chart renders it (only ``clientConfig.service``
+swapped for the loopback URL), the agent in every worker (``examples/train.py``: DDP on CPU
+with gloo), TokenRequest/TokenReview. The job carries only the annotation
+``hyperpod-sdc.dev/enabled: "true"``; the webhook wires its pods.
 
-Stand-in for the cluster (``Runner`` below, a few dozen lines): what the Kubeflow training
-operator and the kubelet would do. It binds the job's pods to nodes that accept them
-(cordon and taints honoured), starts two worker processes per pod with ``POD_NAME``,
-``NODE_NAME``, a bound ServiceAccount token and the operator's URL, stops them when the job
-is suspended and starts them again, with the job's new environment, when it is resumed. The
+Stand-in for the cluster (``Runner`` and ``Kubelet`` below): what the Kubeflow training
+operator and the kubelet would do. The runner creates the job's pods from its template, as
+the training operator's ServiceAccount, bound to nodes that accept them (cordon and taints
+honoured). The kubelet stand-in reads each pod back as the API server stored it (the
+webhook's additions included) and starts two worker processes per pod from that spec: its
+env (downward-API ``fieldRef``s resolved), its projected ServiceAccount token (a bound token
+requested with the volume's audience) and its ConfigMap volumes (the CA), written into a
+directory per pod; a path under a mount in the env points into that directory instead. It
+stops the workers when the job is suspended and starts new pods when it is resumed. The
 faulty GPU is played by the agent's fault injection, given to the processes on one node only:
 the fault stays with the node, as a broken GPU would.
 
@@ -36,17 +43,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, config
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 NAMESPACE = "ml"
+OPERATOR_NAMESPACE = "hyperpod-sdc"
 RANKS_PER_POD = 2
 REPLICAS = 3
 STEPS = 60
 INTERVAL = 10  # replay audit, weight check and checkpoints, every INTERVAL steps
 FAULT_STEP = 23
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
+TRAINING_OPERATOR = ("kubeflow", "training-operator")  # its namespace and ServiceAccount
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
     "HYPERPOD_SDC_WEIGHTS_EVERY": str(INTERVAL),
@@ -87,7 +97,11 @@ class ApiServer:
         self.kubectl("create", "-f", str(ROOT / "crds"))
         crd = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
         self.kubectl("create", "--validate=false", "-f", str(crd))
-        for name in ("sdcincidents.hyperpod-sdc.dev", "pytorchjobs.kubeflow.org"):
+        for name in (
+            "sdcincidents.hyperpod-sdc.dev",
+            "sdcpolicies.hyperpod-sdc.dev",
+            "pytorchjobs.kubeflow.org",
+        ):
             self.kubectl("wait", "--for", "condition=Established", f"crd/{name}", "--timeout=60s")
 
     def kubectl(self, *args: str) -> str:
@@ -130,10 +144,68 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and the operator's certificate for 127.0.0.1: (CA, certificate, key)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca = directory / "ca.key", directory / "ca.crt"
+    key, csr, cert = directory / "tls.key", directory / "tls.csr", directory / "tls.crt"
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=hyperpod-sdc-demo-ca",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+    )
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        str(directory / "san.ext"),
+        "-out",
+        str(cert),
+    )
+    return ca, cert, key
+
+
 class OperatorProcess:
-    def __init__(self, server: ApiServer, log: Path) -> None:
+    def __init__(self, server: ApiServer, log: Path, tls: tuple[Path, Path, Path]) -> None:
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"https://127.0.0.1:{port}"
+        ca, cert, key = tls
         env = {
             **os.environ,
             "KUBECONFIG": server.kubeconfig,
@@ -141,19 +213,29 @@ class OperatorProcess:
             "HYPERPOD_SDC_LISTEN_PORT": str(port),
             "HYPERPOD_SDC_NAMESPACES": NAMESPACE,
             "HYPERPOD_SDC_RESYNC_SECONDS": "2",
+            "HYPERPOD_SDC_TLS_CERT_FILE": str(cert),
+            "HYPERPOD_SDC_TLS_KEY_FILE": str(key),
+            "HYPERPOD_SDC_TLS_CA_FILE": str(ca),  # published as ConfigMap hyperpod-sdc-ca
+            "HYPERPOD_SDC_INJECT_OPERATOR_URL": self.url,
+            "HYPERPOD_SDC_TRUSTED_POD_CREATORS": "system:serviceaccount:{}:{}".format(
+                *TRAINING_OPERATOR
+            ),
+            "HYPERPOD_SDC_JOB_SWEEP_SECONDS": "2",
         }
         self._log = open(log, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "sdc_operator"], env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
+        import ssl
         import urllib.request
 
+        trust = ssl.create_default_context(cafile=str(ca))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the operator exited; see {log}")
             try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=1):
+                with urllib.request.urlopen(f"{self.url}/readyz", timeout=1, context=trust):
                     return
             except OSError:
                 time.sleep(0.2)
@@ -178,16 +260,93 @@ def schedulable(node: dict[str, Any]) -> bool:
     return not spec.get("unschedulable") and not taints
 
 
+class Kubelet:
+    """What the kubelet does for a pod before its containers start, on this machine: the
+    env with downward-API fields resolved, the projected ServiceAccount token and the
+    ConfigMap volumes written under a directory per pod (``<pod dir>/<mountPath>/...``)."""
+
+    def __init__(self, server: ApiServer) -> None:
+        self.server = server
+
+    def materialize(self, pod: dict[str, Any], root: Path) -> tuple[dict[str, str], bool]:
+        """(the first container's env, whether the webhook wired the pod)."""
+        spec, meta = pod["spec"], pod["metadata"]
+        container = spec["containers"][0]
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts") or []}
+        for path, name in mounts.items():
+            target = root / path.lstrip("/")
+            target.mkdir(parents=True, exist_ok=True)
+            self.fill(pod, volumes[name], target)
+        env = {}
+        for var in container.get("env") or []:
+            if "value" in var:
+                value = str(var["value"])
+            else:
+                field_path = var["valueFrom"]["fieldRef"]["fieldPath"]
+                value = {
+                    "metadata.name": meta["name"],
+                    "metadata.namespace": NAMESPACE,
+                    "spec.nodeName": spec.get("nodeName", ""),
+                }[field_path]
+            for path in mounts:  # a file under a mount is in the pod's directory here
+                if value == path or value.startswith(path.rstrip("/") + "/"):
+                    value = str(root / value.lstrip("/"))
+            env[var["name"]] = value
+        wired = "hyperpod-sdc.dev/injection" in (meta.get("annotations") or {})
+        return env, wired
+
+    def fill(self, pod: dict[str, Any], volume: dict[str, Any], target: Path) -> None:
+        if "projected" in volume:
+            for source in volume["projected"]["sources"]:
+                sat = source["serviceAccountToken"]
+                review = self.server.core.create_namespaced_service_account_token(
+                    pod["spec"].get("serviceAccountName", "default"),
+                    NAMESPACE,
+                    {
+                        "spec": {
+                            "audiences": [sat["audience"]],
+                            "expirationSeconds": sat.get("expirationSeconds", 3600),
+                            "boundObjectRef": {
+                                "apiVersion": "v1",
+                                "kind": "Pod",
+                                "name": pod["metadata"]["name"],
+                                "uid": pod["metadata"]["uid"],
+                            },
+                        }
+                    },
+                )
+                (target / sat["path"]).write_text(review.status.token)
+        elif "configMap" in volume:
+            name = volume["configMap"]["name"]
+            deadline = time.monotonic() + 60
+            while True:  # a pod waits for a ConfigMap volume that does not exist yet
+                try:
+                    found = self.server.core.read_namespaced_config_map(name, NAMESPACE)
+                    break
+                except client.ApiException as exc:
+                    if exc.status != 404 or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            for key, value in (found.data or {}).items():
+                (target / key).write_text(value)
+        else:
+            raise RuntimeError(f"the demo's kubelet cannot mount volume {volume}")
+
+
 @dataclass
 class Runner:
     """The Kubeflow training operator and the kubelet, as far as this job needs them."""
 
     server: ApiServer
+    trainer: client.CoreV1Api
+    """The API as the training operator's ServiceAccount (a trusted pod creator)."""
+    kubelet: Kubelet
     job: str
     nodes: list[str]
     faulty_node: str | None
-    operator_url: str
     work: Path
+    wired_pods: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     placements: list[list[str]] = field(default_factory=list)
@@ -204,81 +363,40 @@ class Runner:
         return [f"{self.job}-master-0"] + [f"{self.job}-worker-{i}" for i in range(REPLICAS - 1)]
 
     def start(self, job: dict[str, Any]) -> None:
-        """Bind each pod to a node that accepts it and start its workers."""
+        """Create the job's pods on nodes that accept them (as the training operator) and
+        start their workers from the pods as the API server returns them (as the kubelet)."""
         free = [n for n in self.nodes if schedulable(self.server.node(n))]
         if len(free) < REPLICAS:
             raise RuntimeError(f"only {len(free)} schedulable nodes for {REPLICAS} pods")
-        owner = job["metadata"]
-        container_env = template_env(job)
         port = free_port()
-        tokens = self.work / "tokens"
-        tokens.mkdir(exist_ok=True)
         placement = []
-        for index, (pod, node) in enumerate(zip(self.pods(), free, strict=False)):
-            self.server.core.create_namespaced_pod(
-                NAMESPACE,
-                {
-                    "metadata": {
-                        "name": pod,
-                        "ownerReferences": [
-                            {
-                                "apiVersion": "kubeflow.org/v1",
-                                "kind": "PyTorchJob",
-                                "name": owner["name"],
-                                "uid": owner["uid"],
-                                "controller": True,
-                            }
-                        ],
-                    },
-                    "spec": {
-                        "nodeName": node,
-                        "serviceAccountName": "worker",
-                        "automountServiceAccountToken": False,
-                        "containers": [{"name": "pytorch", "image": "local/train"}],
-                    },
-                },
-            )
-            uid = self.server.core.read_namespaced_pod(pod, NAMESPACE).metadata.uid
-            review = self.server.core.create_namespaced_service_account_token(
-                "worker",
-                NAMESPACE,
-                {
-                    "spec": {
-                        "audiences": ["hyperpod-sdc"],
-                        "expirationSeconds": 3600,
-                        "boundObjectRef": {
-                            "apiVersion": "v1",
-                            "kind": "Pod",
-                            "name": pod,
-                            "uid": uid,
-                        },
-                    }
-                },
-            )
-            token_file = tokens / pod
-            token_file.write_text(review.status.token)  # the kubelet projects it
+        resume = None
+        for index, (pod_name, node) in enumerate(zip(self.pods(), free, strict=False)):
+            pod = self.create_pod(job, pod_name, index, node)
+            env, wired = self.kubelet.materialize(pod, self.work / "pods" / pod_name)
+            if not wired:
+                raise RuntimeError(f"the webhook did not wire pod {pod_name}: {pod['metadata']}")
+            self.wired_pods.append(pod)
+            resume = env.get("HYPERPOD_SDC_RESUME_MAX_STEP")
             placement.append(node)
             for local in range(RANKS_PER_POD):
                 rank = index * RANKS_PER_POD + local
-                env = {
+                worker_env = {
                     "PATH": os.environ.get("PATH", ""),
                     "HOME": os.environ.get("HOME", str(self.work)),
                     "OMP_NUM_THREADS": "1",
+                    # what torchrun gives each worker
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port),
                     "RANK": str(rank),
                     "WORLD_SIZE": str(REPLICAS * RANKS_PER_POD),
                     "LOCAL_RANK": str(local),
                     "LOCAL_WORLD_SIZE": str(RANKS_PER_POD),
-                    "POD_NAME": pod,
-                    "NODE_NAME": node,
-                    "HYPERPOD_SDC_OPERATOR_URL": self.operator_url,
-                    "HYPERPOD_SDC_TOKEN_FILE": str(token_file),
-                    **container_env,
+                    **env,  # the container's env, as the API server stored the pod
                 }
                 if node == self.faulty_node and local == 1:
-                    env["HYPERPOD_SDC_FAULTS"] = fault_spec(rank)  # the broken GPU
-                log = open(self.work / f"{pod}-{local}-{len(self.placements)}.log", "wb")  # noqa: SIM115
+                    worker_env["HYPERPOD_SDC_FAULTS"] = fault_spec(rank)  # the broken GPU
+                log = open(self.work / f"{pod_name}-{local}-{len(self.placements)}.log", "wb")  # noqa: SIM115
                 self.procs.append(
                     subprocess.Popen(
                         [
@@ -293,7 +411,7 @@ class Runner:
                             "--result-file",
                             str(self.work / "result.json"),
                         ],
-                        env=env,
+                        env=worker_env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
@@ -301,9 +419,49 @@ class Runner:
                 )
                 log.close()
         self.placements.append(placement)
-        resume = container_env.get("HYPERPOD_SDC_RESUME_MAX_STEP")
         extra = f", HYPERPOD_SDC_RESUME_MAX_STEP={resume}" if resume else ""
-        self.note("runner", f"pods on {', '.join(placement)}: {len(self.procs)} workers{extra}")
+        self.note(
+            "runner",
+            f"pods on {', '.join(placement)} (wired by the webhook): "
+            f"{len(self.procs)} workers{extra}",
+        )
+
+    def create_pod(self, job: dict[str, Any], name: str, index: int, node: str) -> dict[str, Any]:
+        """The pod the Kubeflow training operator would make from the job's template."""
+        owner = job["metadata"]
+        replica = "master" if index == 0 else "worker"
+        template = job["spec"]["pytorchReplicaSpecs"][replica.capitalize()]["template"]
+        body = {
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                    "training.kubeflow.org/job-name": owner["name"],
+                    "training.kubeflow.org/replica-type": replica,
+                    "training.kubeflow.org/replica-index": str(max(0, index - 1)),
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": "kubeflow.org/v1",
+                        "kind": "PyTorchJob",
+                        "name": owner["name"],
+                        "uid": owner["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": {
+                **template["spec"],
+                "nodeName": node,  # the scheduler's part
+                "automountServiceAccountToken": False,
+            },
+        }
+        self.trainer.create_namespaced_pod(NAMESPACE, body)
+        return dict(
+            json.loads(
+                self.server.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data
+            )
+        )
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -361,6 +519,87 @@ def template_env(job: dict[str, Any]) -> dict[str, str]:
 
 
 # -- scenarios -------------------------------------------------------------------------------
+
+
+def admit_namespace(server: ApiServer) -> None:
+    """The cluster admin's step: an SDCPolicy admitting the demo's namespace."""
+    server.custom.create_cluster_custom_object(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        "sdcpolicies",
+        {
+            "apiVersion": "hyperpod-sdc.dev/v1alpha1",
+            "kind": "SDCPolicy",
+            "metadata": {"name": "demo"},
+            "spec": {"namespaces": [NAMESPACE]},
+        },
+    )
+
+
+def training_operator(server: ApiServer, base: Path) -> client.CoreV1Api:
+    """The API as the training operator's ServiceAccount, allowed to manage pods."""
+    namespace, account = TRAINING_OPERATOR
+    server.core.create_namespace({"metadata": {"name": namespace}})
+    server.core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
+    rbac = client.RbacAuthorizationV1Api(server.api)
+    rbac.create_cluster_role(
+        {
+            "metadata": {"name": "demo-training-operator"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods"],
+                    "verbs": ["create", "get", "list", "delete"],
+                }
+            ],
+        }
+    )
+    rbac.create_cluster_role_binding(
+        {
+            "metadata": {"name": "demo-training-operator"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "demo-training-operator",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+        }
+    )
+    token = server.core.create_namespaced_service_account_token(
+        account, namespace, {"spec": {"expirationSeconds": 3600}}
+    ).status.token
+    kubeconfig = yaml.safe_load(Path(server.kubeconfig).read_text())
+    kubeconfig["users"][0]["user"] = {"token": token}
+    path = base / "training-operator.kubeconfig"
+    path.write_text(yaml.safe_dump(kubeconfig))
+    return client.CoreV1Api(config.new_client_from_config(str(path)))
+
+
+def register_webhook(server: ApiServer, url: str, ca: Path) -> None:
+    """The chart's MutatingWebhookConfiguration as it renders it, with the operator's
+    loopback URL in place of its Service and the demo CA as the caBundle."""
+    import base64
+
+    import helm_python as helm
+
+    chart = helm.Chart.load(str(ROOT / "charts" / "hyperpod-sdc"))
+    rendered = chart.render({}, name="hyperpod-sdc", namespace="hyperpod-sdc", is_install=True)
+    docs = [
+        d
+        for path, text in rendered.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+    (hook,) = [d for d in docs if d.get("kind") == "MutatingWebhookConfiguration"]
+    for entry in hook["webhooks"]:
+        path = entry["clientConfig"]["service"]["path"]
+        entry["clientConfig"] = {
+            "url": f"{url}{path}",
+            "caBundle": base64.b64encode(ca.read_bytes()).decode(),
+        }
+    client.AdmissionregistrationV1Api(server.api).create_mutating_webhook_configuration(hook)
+    time.sleep(1.0)  # the API server takes up a new webhook configuration within a second
 
 
 def create_job(server: ApiServer, name: str) -> None:
@@ -443,7 +682,7 @@ def node_state(server: ApiServer, name: str) -> tuple[Any, ...]:
 
 def scenario(
     server: ApiServer,
-    op: OperatorProcess,
+    trainer: client.CoreV1Api,
     nodes: list[str],
     name: str,
     faulty: str | None,
@@ -451,7 +690,7 @@ def scenario(
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
     create_job(server, name)
-    runner = Runner(server, name, nodes, faulty, op.url, work)
+    runner = Runner(server, trainer, Kubelet(server), name, nodes, faulty, work)
     seen: set[tuple[str, str]] = set()
 
     def watch() -> None:
@@ -475,6 +714,7 @@ def scenario(
         "job": name,
         "finished": finished,
         "result": result,
+        "wired_pods": runner.wired_pods,
         "incidents": server.incidents(name),
         "placements": runner.placements,
         "stopped_for_suspend": runner.stopped_for_suspend,
@@ -546,7 +786,8 @@ def main() -> int:
         "every worker."
     )
     say(
-        "Stand-in: the runner that plays the training operator and the kubelet, and the faulty GPU."
+        "Stand-in: the runner that plays the training operator and the kubelet (it starts the "
+        "workers from the pods as the API server stored them), and the faulty GPU."
     )
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hyperpod-sdc-demo-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -554,6 +795,7 @@ def main() -> int:
     op: OperatorProcess | None = None
     try:
         server.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        server.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
         server.core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "worker"}})
         instances = {}
         for _ in range(REPLICAS + 1):
@@ -582,15 +824,23 @@ def main() -> int:
             )
             instances[name] = instance
         nodes = list(instances)
-        op = OperatorProcess(server, base / "operator.log")
-        say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.\n")
+        admit_namespace(server)
+        trainer = training_operator(server, base)
+        tls = make_certificates(base / "tls")
+        op = OperatorProcess(server, base / "operator.log", tls)
+        register_webhook(server, op.url, tls[0])
+        say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
+        say(
+            f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '
+            f"wires their pods, SDCPolicy admits namespace {NAMESPACE}.\n"
+        )
         say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks, {STEPS} steps")
-        clean = scenario(server, op, nodes, "clean-run", None, base / "clean")
+        clean = scenario(server, trainer, nodes, "clean-run", None, base / "clean")
         say(
             f"\n2. Same job, and from step {FAULT_STEP} GPU 1 of {nodes[FAULTY_NODE]} returns "
             "4.0001 instead of 4.0000 (a relative error of 2.5e-5 in the first layer's output)"
         )
-        faulty = scenario(server, op, nodes, "llama-demo", nodes[FAULTY_NODE], base / "faulty")
+        faulty = scenario(server, trainer, nodes, "llama-demo", nodes[FAULTY_NODE], base / "faulty")
         say("\n$ kubectl get sdcincidents -n ml")
         table = server.kubectl("get", "sdcincidents", "-n", NAMESPACE)
         say(table)

@@ -8,6 +8,7 @@ import sys
 
 from .errors import ConfigError
 from .settings import OperatorSettings
+from .webhook import WebhookSettings
 
 LOG_LEVEL_ENV = "HYPERPOD_SDC_LOG_LEVEL"
 
@@ -17,6 +18,7 @@ def main() -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = OperatorSettings.from_env()
+        WebhookSettings.from_env()
         if settings.auth_mode == "static":
             from .auth import StaticTokens
 

@@ -22,19 +22,27 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
+import secrets
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from .errors import OperatorError
 from .names import GROUP
 
 __all__ = [
     "ATTESTATION_ANNOTATION",
     "CREATED_BY_ANNOTATION",
     "KEY_BYTES",
+    "AttestationKey",
     "attestation_for",
+    "load_key",
     "sign",
     "verify_pod",
 ]
+
+log = logging.getLogger(__name__)
 
 ATTESTATION_ANNOTATION = f"{GROUP}/attestation"
 CREATED_BY_ANNOTATION = f"{GROUP}/created-by"
@@ -96,3 +104,65 @@ def verify_pod(
         ):
             return True, f"{ref} was created by {username}"
     return False, f"{ref} carries an attestation that does not match it"
+
+
+@dataclass(frozen=True, slots=True)
+class AttestationKey:
+    """The key every replica signs (webhook) and verifies (intake) with, loaded once at
+    start-up by :func:`load_key`."""
+
+    value: bytes
+
+
+class _Secrets(Protocol):
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any: ...
+
+    async def create(
+        self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]
+    ) -> Any: ...
+
+
+async def load_key(kube: _Secrets, namespace: str, secret: str) -> AttestationKey:
+    """The key in the Secret ``secret`` (key ``key``) of ``namespace``; the first replica
+    to find it missing creates it with :data:`KEY_BYTES` random bytes (a replica that
+    loses that race reads the winner's)."""
+    from .kube import is_conflict, is_not_found
+
+    try:
+        found = await kube.get("v1", "secrets", namespace, secret)
+    except Exception as exc:
+        if not is_not_found(exc):
+            raise OperatorError(
+                f"cannot read the attestation key Secret {namespace}/{secret}: {exc}"
+            ) from exc
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": secret,
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/part-of": "hyperpod-sdc"},
+            },
+            "type": "Opaque",
+            "data": {"key": base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()},
+        }
+        try:
+            found = await kube.create("v1", "secrets", namespace, body)
+            log.info("created the attestation key Secret %s/%s", namespace, secret)
+        except Exception as exc2:
+            if not is_conflict(exc2):
+                raise OperatorError(
+                    f"cannot create the attestation key Secret {namespace}/{secret}: {exc2}"
+                ) from exc2
+            found = await kube.get("v1", "secrets", namespace, secret)
+    raw = ((found or {}).get("data") or {}).get("key") or ""
+    try:
+        value = base64.b64decode(raw, validate=True)
+    except ValueError:
+        value = b""
+    if len(value) < 16:
+        raise OperatorError(
+            f"the attestation key Secret {namespace}/{secret} has no usable 'key' "
+            f"(base64 of at least 16 bytes; {KEY_BYTES} when the operator creates it)"
+        )
+    return AttestationKey(value)

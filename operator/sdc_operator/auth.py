@@ -5,25 +5,52 @@ report's word.
 ServiceAccount token for the operator's audience; a token bound to a pod carries the pod's
 name and uid in the review's ``extra``. ``static`` mode (development only) reads tokens
 from a file.
+
+A review costs the API server work, so :class:`TokenReviewer` spends it carefully:
+
+1. a token that cannot be a bound ServiceAccount token (not a JWT, expired by its own
+   ``exp``, for another audience by its own ``aud``) is refused without asking: the claims
+   are read, not trusted, so this only turns junk away early;
+2. a reviewed token is remembered by its SHA-256 (never the token): accepted ones until
+   ``cache_seconds`` or their ``exp``, whichever comes first; rejected ones for
+   ``negative_seconds``;
+3. concurrent requests with one token share one review;
+4. reviews of tokens not remembered are limited cluster-wide (``reviews_per_second``):
+   past it a report is answered 429 and retried by the agent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hashlib
 import hmac
+import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import ConfigError, Refusal
+from .ratelimit import TokenBucket
 
-__all__ = ["Authenticator", "PodIdentity", "StaticTokens", "TokenReviewer"]
+__all__ = [
+    "Authenticator",
+    "PodIdentity",
+    "StaticTokens",
+    "TokenReviewer",
+    "bearer_token",
+    "token_claims",
+]
 
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
+MAX_TOKEN_BYTES = 16 * 1024
+"""A projected ServiceAccount token is 1 to 2 KiB."""
+_TOKEN_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +58,7 @@ class PodIdentity:
     namespace: str
     pod: str
     pod_uid: str | None = None
-    """Set by TokenReview; the intake checks it against the pod it reads."""
+    """Set by TokenReview; the intake checks it against the pod it knows."""
 
 
 class Authenticator(Protocol):
@@ -39,41 +66,144 @@ class Authenticator(Protocol):
 
 
 class Reviewer(Protocol):
-    async def token_review(self, token: str, audience: str) -> dict[str, object]: ...
+    async def token_review(self, token: str, audience: str) -> dict[str, Any]: ...
 
 
 def _unauthenticated(message: str) -> Refusal:
     return Refusal(401, "unauthenticated", message)
 
 
+def bearer_token(header: str) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or a 401."""
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise _unauthenticated("Authorization: a Bearer token is required")
+    if len(token) > MAX_TOKEN_BYTES:
+        raise _unauthenticated(f"Authorization: the token is longer than {MAX_TOKEN_BYTES} bytes")
+    return token
+
+
+def _b64json(part: str) -> Any:
+    padded = part + "=" * (-len(part) % 4)
+    return json.loads(base64.urlsafe_b64decode(padded.encode()))
+
+
+def token_claims(token: str) -> dict[str, Any]:
+    """The claims of a JWT, unverified (a 401 if it is not one)."""
+    encoded = token.encode()
+    if not set(encoded) <= _TOKEN_CHARS or encoded.count(b".") != 2:
+        raise _unauthenticated("token rejected: not a ServiceAccount token (a JWT)")
+    header, payload, _ = token.split(".")
+    try:
+        head = _b64json(header)
+        claims = _b64json(payload)
+    except (ValueError, UnicodeDecodeError):
+        raise _unauthenticated("token rejected: not a ServiceAccount token (a JWT)") from None
+    if not isinstance(head, dict) or "alg" not in head or not isinstance(claims, dict):
+        raise _unauthenticated("token rejected: not a ServiceAccount token (a JWT)")
+    return claims
+
+
 class TokenReviewer:
-    """TokenReview with a short cache (by the token's SHA-256, never the token)."""
+    """TokenReview behind the checks and caches of the module's docstring."""
 
     def __init__(
-        self, kube: Reviewer, audience: str, cache_seconds: float, max_cached: int = 10000
+        self,
+        kube: Reviewer,
+        audience: str,
+        cache_seconds: float,
+        *,
+        negative_seconds: float = 60.0,
+        reviews_per_second: float = 200.0,
+        burst: int = 2500,
+        max_cached: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        metrics: Any = None,
     ) -> None:
         self._kube = kube
         self._audience = audience
         self._cache_seconds = cache_seconds
+        self._negative_seconds = negative_seconds
         self._max_cached = max_cached
-        self._cache: OrderedDict[bytes, tuple[float, PodIdentity]] = OrderedDict()
+        self._clock = clock
+        self._metrics = metrics
+        self._budget = TokenBucket(reviews_per_second, burst)
+        self._cache: OrderedDict[bytes, tuple[float, PodIdentity | Refusal]] = OrderedDict()
+        self._in_flight: dict[bytes, asyncio.Future[PodIdentity]] = {}
+        self.reviews = 0
+        """TokenReviews sent (for tests and the bench)."""
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.token_reviews.labels(outcome).inc()
 
     async def authenticate(self, token: str) -> PodIdentity:
         key = hashlib.sha256(token.encode()).digest()
-        now = time.monotonic()
+        now = self._clock()
         cached = self._cache.get(key)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        status = await self._kube.token_review(token, self._audience)
-        identity = self._identity(status)
-        if self._cache_seconds > 0:
-            self._cache[key] = (now + self._cache_seconds, identity)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
-        return identity
+        if cached is not None:
+            if cached[0] > now:
+                self._count("cached")
+                if isinstance(cached[1], Refusal):
+                    raise cached[1]
+                return cached[1]
+            del self._cache[key]
+        shared = self._in_flight.get(key)
+        if shared is None:
+            claims = token_claims(token)
+            expires = claims.get("exp")
+            if isinstance(expires, int | float) and expires <= now:
+                raise _unauthenticated("token rejected: it expired (its exp claim)")
+            audiences = claims.get("aud")
+            audiences = [audiences] if isinstance(audiences, str) else audiences
+            if isinstance(audiences, list) and self._audience not in audiences:
+                raise _unauthenticated(f"token rejected: not meant for audience {self._audience!r}")
+            wait = self._budget.acquire()
+            if wait is not None:
+                self._count("limited")
+                raise Refusal(
+                    429,
+                    "rate_limited",
+                    "too many reports with tokens not seen before; try again",
+                    retry_after=wait,
+                )
+            shared = asyncio.get_running_loop().create_future()
+            self._in_flight[key] = shared
+            task = asyncio.get_running_loop().create_task(self._review(key, token, expires))
+            task.add_done_callback(lambda t: _settle(shared, t))
+        else:
+            self._count("shared")
+        # Shielded: a client that hangs up cancels its own wait, not the others' review.
+        return await asyncio.shield(shared)
 
-    def _identity(self, status: dict[str, object]) -> PodIdentity:
+    async def _review(self, key: bytes, token: str, expires: Any) -> PodIdentity:
+        try:
+            self.reviews += 1
+            status = await self._kube.token_review(token, self._audience)
+            try:
+                identity = self._identity(status)
+            except Refusal as refusal:
+                self._count("rejected")
+                self._remember(key, self._clock() + self._negative_seconds, refusal)
+                raise
+            self._count("accepted")
+            until = self._clock() + self._cache_seconds
+            if isinstance(expires, int | float):
+                until = min(until, float(expires))
+            if self._cache_seconds > 0:
+                self._remember(key, until, identity)
+            return identity
+        finally:
+            self._in_flight.pop(key, None)
+
+    def _remember(self, key: bytes, until: float, value: PodIdentity | Refusal) -> None:
+        self._cache[key] = (until, value)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+
+    def _identity(self, status: dict[str, Any]) -> PodIdentity:
         if status.get("authenticated") is not True:
             error = status.get("error") or "the API server did not authenticate it"
             raise _unauthenticated(f"token rejected: {error}")
@@ -96,6 +226,20 @@ class TokenReviewer:
                 f"with audience {self._audience!r} (docs/operator.md)"
             )
         return PodIdentity(namespace, str(pods[0]), str(uids[0]) if uids else None)
+
+
+def _settle(shared: asyncio.Future[PodIdentity], task: asyncio.Task[PodIdentity]) -> None:
+    if shared.done():
+        return
+    if task.cancelled():
+        shared.set_exception(Refusal(503, "unavailable", "the token review was interrupted"))
+    elif (exc := task.exception()) is not None:
+        shared.set_exception(exc)
+    else:
+        shared.set_result(task.result())
+    # Nobody may be waiting (every client hung up): mark the exception as seen.
+    if not task.cancelled() and task.exception() is not None:
+        shared.exception()
 
 
 class StaticTokens:

@@ -1,35 +1,52 @@
 """The incident engine: folds verdicts into ``SDCIncident`` objects and drives containment.
 
-Every change goes through the incident's status, written with its ``resourceVersion`` (a
-conflict re-reads and tries again), and every action is recorded right after it is taken.
-:meth:`IncidentEngine.reconcile` takes the first action the status does not yet record as
-done; actions are idempotent, so one taken but not recorded before a crash is found in
-place and recorded, not repeated.
+Two halves, with their own API clients so neither waits for the other:
+
+- **Records** (every replica): a verdict folds into its incident's status. Reports that
+  arrive while one write is in flight are folded together into the next one (group
+  commit), and a report that cannot change anything (its node is recorded already, or
+  containment has started) is answered from memory without an API call. A replica that is
+  not the leader records too, so a report that reaches it is not lost.
+- **Containment** (the leader only): :meth:`IncidentEngine.reconcile` takes the first
+  action the status does not record as done. Each action is recorded ``Pending`` with what
+  identifies it before it is taken and its result after; one found ``Pending`` (after a
+  crash, a conflict or a change of leader) is verified before it is taken again
+  (:mod:`.actions`).
+
+Every status write carries the ``resourceVersion`` it was computed from; a conflict reads
+the incident again and applies the same change to what it finds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 
-from . import incidents, jobs, nodes
-from .incidents import Action, JobRef, ResolvedSuspect, now_iso
+from . import incidents, jobs
+from .actions import Actions, Outcome
+from .caches import Caches
+from .errors import ApiError
+from .incidents import (
+    HELD_PHASES,
+    MAX_RECORDED_REPORTS,
+    OPEN_PHASES,
+    Action,
+    JobRef,
+    ResolvedSuspect,
+    Rules,
+    now_iso,
+    parse_time,
+)
 from .kube import Kube, is_conflict, is_not_found
 from .metrics import Metrics
-from .names import (
-    GROUP,
-    HYPERPOD_CLUSTER_LABEL,
-    HYPERPOD_HEALTH_LABEL,
-    INCIDENT_ANNOTATION,
-    RESUME_MAX_STEP_ENV,
-    SUSPECT_KEY,
-)
+from .policy import POLICY_CAUTION, Admission, namespace_admission
 from .remediate import HyperPodNodes
 from .settings import OperatorSettings
 
@@ -37,62 +54,152 @@ __all__ = ["IncidentEngine"]
 
 log = logging.getLogger(__name__)
 _CONFLICT_RETRIES = 20
+_MAX_STEPS = 64
+Key = tuple[str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What an action did: its result and message for ``status.actions``, and optionally a
-    condition ``(type, status, reason, message)`` and status fields to set with it."""
-
-    result: str
-    message: str
-    condition: tuple[str, str, str, str] | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
-    reason: str | None = None
-    """Why an action was skipped, for the containment summary (``CapReached``)."""
-
-    def apply(self, status: dict[str, Any], action: Action) -> dict[str, Any]:
-        at = now_iso()
-        status = incidents.record_action(status, action, self.result, self.message, at, self.reason)
-        status.update(self.fields)
-        if self.condition is not None:
-            incidents.set_condition(status, *self.condition, at)
-        return status
-
-
-def _released(result: str, message: str) -> Outcome:
-    """A node given back (or found gone or held by another incident): the end of it."""
-    return Outcome(
-        result, message, ("Remediated", "True", "Released", message), {"phase": "Released"}
-    )
-
-
-def _remediation_failed(message: str) -> Outcome:
-    """Retried after a back-off (incidents.retry_at)."""
-    return Outcome("Failed", message, ("Remediated", "False", "RemediationFailed", message))
+@dataclass
+class _Fold:
+    report: VerdictReport
+    reporter_pod: str
+    reporter_node: str
+    suspects: list[ResolvedSuspect]
+    future: asyncio.Future[str]
 
 
 class IncidentEngine:
     def __init__(
         self,
-        kube: Kube,
         settings: OperatorSettings,
         metrics: Metrics,
+        caches: Caches,
+        *,
+        records: Kube,
+        containment: Kube,
         hyperpod: HyperPodNodes | None = None,
     ) -> None:
-        self.kube = kube
         self.settings = settings
-        self.rules = incidents.Rules.of(settings)
+        self.rules = Rules.of(settings)
         self.metrics = metrics
-        self.hyperpod = hyperpod
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._agreed_at: dict[tuple[str, str], float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.caches = caches
+        self.records = records
+        self.containment = containment
+        self.actions = Actions(containment, caches, settings, hyperpod, self._emit_leader)
+        self.leader = False
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._pending: dict[Key, list[_Fold]] = {}
+        self._flushers: dict[Key, asyncio.Task[None]] = {}
+        self._reconciles: dict[Key, asyncio.Task[None]] = {}
+        self._dirty: set[Key] = set()
+        self._seen: dict[Key, set[str]] = {}
+        self._extra: dict[Key, int] = {}
+        self._agreed_at: dict[Key, float] = {}
+        self._background: set[asyncio.Task[Any]] = set()
 
-    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
+    def _lock(self, key: Key) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
 
-    # -- intake side -----------------------------------------------------------------------
+    def _current(self, key: Key) -> dict[str, Any] | None:
+        return self.caches.incidents.get(*key)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- policy ----------------------------------------------------------------------------
+
+    def admission(self, namespace: str) -> Admission:
+        labels = self.caches.namespace_labels(namespace) or {}
+        return namespace_admission(self.caches.policies.values(), namespace, labels)
+
+    def rules_for(self, namespace: str) -> Rules:
+        """The operator's rules as the namespace's ``SDCPolicy`` narrows them: never bolder
+        than ``HYPERPOD_SDC_REMEDIATION_POLICY``; dry-run where any policy says so, and for a
+        namespace no policy admits any more (its open incidents act on nothing)."""
+        found = self.admission(namespace)
+        caution = min(
+            POLICY_CAUTION.index(self.rules.remediation_policy),
+            POLICY_CAUTION.index(found.remediation_policy) if found.admitted else 0,
+        )
+        return dataclasses.replace(
+            self.rules,
+            remediation_policy=POLICY_CAUTION[caution],
+            dry_run=self.rules.dry_run or found.dry_run or not found.admitted,
+        )
+
+    # -- writes ----------------------------------------------------------------------------
+
+    async def _write(
+        self, key: Key, change: Callable[[dict[str, Any]], dict[str, Any] | None], kube: Kube
+    ) -> dict[str, Any] | None:
+        """Apply ``change`` to the incident's status and write it under its
+        ``resourceVersion``, reading it again after a conflict. The incident as written (or
+        as it is, when ``change`` returns ``None``); ``None`` if it no longer exists."""
+        for _ in range(_CONFLICT_RETRIES):
+            incident = self._current(key)
+            if incident is None:
+                try:
+                    incident = await kube.get_incident(*key)
+                except ApiError as exc:
+                    if is_not_found(exc):
+                        return None
+                    raise
+                self.caches.incidents.upsert(incident)
+            status = change(incidents._copy_status(incident.get("status") or {}))
+            if status is None:
+                return incident
+            body = {**incident, "status": status}
+            try:
+                written = await kube.replace_incident_status(body)
+            except ApiError as exc:
+                if is_not_found(exc):
+                    self.caches.incidents.forget(incident)
+                    return None
+                if not is_conflict(exc):
+                    raise
+                fresh = await kube.get_incident(*key)
+                self.caches.incidents.upsert(fresh)
+                continue
+            self.caches.incidents.upsert(written)
+            return written
+        raise RuntimeError(f"incident {key[0]}/{key[1]}: too many write conflicts")
+
+    async def _emit(
+        self, kube: Kube, obj: dict[str, Any], reason: str, message: str, warning: bool
+    ) -> None:
+        try:
+            await kube.emit_event(obj, reason, message, warning=warning)
+        except Exception as exc:  # an Event is a courtesy; never fail an action over one
+            log.warning("could not post event %s: %s", reason, exc)
+
+    async def _emit_leader(
+        self, obj: dict[str, Any], reason: str, message: str, warning: bool
+    ) -> None:
+        await self._emit(self.containment, obj, reason, message, warning)
+
+    # -- records: verdicts -------------------------------------------------------------------
+
+    def generation(self, job: JobRef, report: VerdictReport, reporter_created: str | None) -> int:
+        """Which run of the job a verdict without a ``run_id`` belongs to: past every
+        incident of this window that stopped the job before the reporting pod was
+        created (that pod belongs to a later run)."""
+        if report.run_id or report.classification == "nondeterministic" or not reporter_created:
+            return 0
+        try:
+            created = parse_time(reporter_created)
+        except ValueError:
+            return 0
+        generation = 0
+        while generation < 1000:
+            found = self.caches.incidents.get(
+                job.namespace, incidents.incident_name(job, report, generation)
+            )
+            stopped = incidents.job_stopped_at(found) if found else None
+            if stopped is None or created < parse_time(stopped):
+                return generation
+            generation += 1
+        return generation
 
     async def record_verdict(
         self,
@@ -101,482 +208,390 @@ class IncidentEngine:
         *,
         reporter_pod: str,
         reporter_node: str,
-        suspects: Sequence[ResolvedSuspect],
+        suspects: list[ResolvedSuspect],
+        reporter_created: str | None = None,
     ) -> tuple[str, str]:
-        """Create or update the incident for ``report``'s window; returns (name, phase)."""
-        name = incidents.incident_name(job, report)
+        """Fold ``report`` into its incident; returns (name, phase)."""
+        name = incidents.incident_name(job, report, self.generation(job, report, reporter_created))
         key = (job.namespace, name)
-        async with self._lock(*key):
-            for _ in range(_CONFLICT_RETRIES):
-                incident = await self._get_or_create(job, name, report)
-                status, changed = incidents.fold_report(
-                    incident.get("status") or {},
-                    report,
-                    reporter_pod=reporter_pod,
-                    reporter_node=reporter_node,
-                    suspects=suspects,
-                    needed=self.settings.agreement_nodes,
-                    received_at=now_iso(),
-                )
-                if not changed:
-                    return name, str(status.get("phase"))
-                was = (incident.get("status") or {}).get("phase")
-                incident["status"] = status
-                try:
-                    await self.kube.replace_incident_status(incident)
-                except Exception as exc:
-                    if is_conflict(exc):
-                        continue
-                    raise
-                if status["phase"] == "Detected" and was != "Detected":
-                    self._agreed_at[key] = time.monotonic()
-                    log.warning("incident %s/%s: %s", job.namespace, name, report.message)
-                break
-            else:
-                raise RuntimeError(f"incident {job.namespace}/{name}: too many write conflicts")
-        self.schedule(job.namespace, name)
-        return name, str(status.get("phase"))
+        current = self._current(key)
+        if current is not None:
+            answer = self._from_memory(key, current, report, reporter_node)
+            if answer is not None:
+                self.metrics.report_answers.labels("memory").inc()
+                return name, answer
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(key, []).append(
+            _Fold(report, reporter_pod, reporter_node, suspects, future)
+        )
+        if key not in self._flushers:
+            self._flushers[key] = asyncio.get_running_loop().create_task(self._flush(key, job))
+        self.metrics.report_answers.labels("written").inc()
+        return name, await asyncio.shield(future)
 
-    async def _get_or_create(self, job: JobRef, name: str, report: VerdictReport) -> dict[str, Any]:
+    def _from_memory(
+        self, key: Key, incident: dict[str, Any], report: VerdictReport, node: str
+    ) -> str | None:
+        """The phase to answer without writing, where the report cannot change anything."""
+        status = incident.get("status") or {}
+        phase = str(status.get("phase") or "WaitingForAgreement")
+        recorded = {e.get("node") for e in status.get("reports") or []}
+        seen = self._seen.setdefault(key, set())
+        if report.classification == "nondeterministic":
+            steps = set(status.get("occurrenceSteps") or []) | {status.get("firstStep")}
+            if report.step not in steps:
+                return None
+        if node in recorded or node in seen:
+            return phase
+        if status.get("phase") not in OPEN_PHASES or len(recorded) >= MAX_RECORDED_REPORTS:
+            seen.add(node)
+            self._extra[key] = self._extra.get(key, 0) + 1
+            return phase
+        return None
+
+    async def _flush(self, key: Key, job: JobRef) -> None:
         try:
-            return await self.kube.get_incident(job.namespace, name)
-        except Exception as exc:
-            if not is_not_found(exc):
+            while batch := self._pending.pop(key, None):
+                try:
+                    phase = await self._write_folds(key, job, batch)
+                except Exception as exc:
+                    for fold in batch:
+                        if not fold.future.done():
+                            fold.future.set_exception(exc)
+                            fold.future.exception()  # the client may have gone: seen
+                    continue
+                for fold in batch:
+                    if not fold.future.done():
+                        fold.future.set_result(phase)
+        finally:
+            self._flushers.pop(key, None)
+
+    async def _create(self, key: Key, job: JobRef, report: VerdictReport) -> dict[str, Any]:
+        body = incidents.new_incident(job, key[1], report)
+        try:
+            created = await self.records.create_incident(body)
+        except ApiError as exc:
+            if not is_conflict(exc):
                 raise
-        body = incidents.new_incident(job, name, report)
-        try:
-            created = await self.kube.create_incident(body)
-        except Exception as exc:
-            if is_conflict(exc):  # created meanwhile by an earlier operator process
-                return await self.kube.get_incident(job.namespace, name)
-            raise
-        self.metrics.incidents.labels(report.check, report.classification).inc()
-        await self._event(created, "Detected", report.message, True)
+            created = await self.records.get_incident(*key)  # created meanwhile
+        else:
+            self.metrics.incidents.labels(report.check, report.classification).inc()
+            self._spawn(self._emit(self.records, created, "Detected", report.message, True))
+        self.caches.incidents.upsert(created)
         return created
+
+    async def _write_folds(self, key: Key, job: JobRef, batch: list[_Fold]) -> str:
+        async with self._lock(key):
+            incident = self._current(key) or await self._create(key, job, batch[0].report)
+            was = (incident.get("status") or {}).get("phase")
+            check = str((incident.get("spec") or {}).get("check") or batch[0].report.check)
+            needed = self.settings.agreement_nodes
+            extra = self._extra.get(key, 0)
+
+            def fold(status: dict[str, Any]) -> dict[str, Any] | None:
+                changed = False
+                for f in batch:
+                    status, did = incidents.fold_report(
+                        status,
+                        f.report,
+                        reporter_pod=f.reporter_pod,
+                        reporter_node=f.reporter_node,
+                        suspects=f.suspects,
+                        needed=needed,
+                        received_at=now_iso(),
+                        check=check,
+                    )
+                    changed = changed or did
+                if extra:
+                    status["reportingNodes"] = int(status.get("reportingNodes") or 0) + extra
+                return status if changed or extra else None
+
+            written = await self._write(key, fold, self.records)
+            if written is None:
+                raise RuntimeError(f"incident {key[0]}/{key[1]} was deleted meanwhile")
+            self._extra[key] = self._extra.get(key, 0) - extra
+            self._seen.setdefault(key, set()).update(f.reporter_node for f in batch)
+            written = await self._escalate_repeats(key, written)
+            phase = str((written.get("status") or {}).get("phase") or "")
+        self._after_transition(key, written, was)
+        return phase
+
+    async def _escalate_repeats(self, key: Key, incident: dict[str, Any]) -> dict[str, Any]:
+        """A held incident whose node the job's other incidents caught often enough within
+        the window is contained as a persistent fault after all."""
+        if (incident.get("status") or {}).get("phase") not in HELD_PHASES:
+            return incident
+        uid = incident["spec"]["job"]["uid"]
+        repeats = incidents.repeat_candidates(
+            incident, self.caches.incidents_of(uid), self.settings.repeat_window_steps
+        )
+        if len(repeats) + 1 < self.settings.repeat_count:
+            return incident
+        message = (
+            f"the same node was caught {len(repeats) + 1} times within "
+            f"{self.settings.repeat_window_steps} steps (also in {', '.join(repeats)}): "
+            "contained as a persistent fault"
+        )
+
+        def escalate(status: dict[str, Any]) -> dict[str, Any] | None:
+            if status.get("phase") not in HELD_PHASES:
+                return None
+            return incidents.escalate(status, "Repeated", message, repeats, now_iso())
+
+        written = await self._write(key, escalate, self.records)
+        self.metrics.escalations.labels("Repeated").inc()
+        return written or incident
+
+    def _after_transition(self, key: Key, incident: dict[str, Any], was: str | None) -> None:
+        status = incident.get("status") or {}
+        phase = status.get("phase")
+        if phase == was:
+            return
+        if phase == "Detected":
+            self._agreed_at.setdefault(key, time.monotonic())
+            log.warning("incident %s/%s: %s", *key, incident["spec"].get("message", ""))
+        elif phase in HELD_PHASES:
+            self.metrics.held.labels(str(phase)).inc()
+            hold = incidents.evidence_hold(incident, self.settings.agreement_nodes)
+            message = hold[1] if hold else str(phase)
+            reason = "SDCTransientFault" if phase == "Transient" else "SDCAwaitingEvidence"
+            self._spawn(self._emit(self.records, incident, reason, message, True))
+        if self.leader and incidents.pending_actions(incident, self.rules_for(key[0])):
+            self.schedule(*key)
+
+    async def flush_counts(self) -> None:
+        """Write the counts of reports answered from memory (``status.reportingNodes``)."""
+        for key, extra in list(self._extra.items()):
+            if extra <= 0:
+                self._extra.pop(key, None)
+                continue
+            if self._lock(key).locked() or self._current(key) is None:
+                continue
+            async with self._lock(key):
+
+                def count(status: dict[str, Any], extra: int = extra) -> dict[str, Any]:
+                    status["reportingNodes"] = int(status.get("reportingNodes") or 0) + extra
+                    return status
+
+                if await self._write(key, count, self.records) is not None:
+                    self._extra[key] = self._extra.get(key, 0) - extra
+
+    # -- records: checkpoints and resumes ---------------------------------------------------
 
     async def record_checkpoint(self, job: JobRef, report: CheckpointReport) -> bool:
         """Remember a verified checkpoint on the job (a resume needs one old enough);
-        returns whether it was recorded."""
+        returns whether it was recorded. Patched under the job's ``resourceVersion``, so
+        two replicas recording at once do not lose one."""
         if not report.verified:
             return False
         plural = jobs.JOB_KINDS[(job.api_version, job.kind)]
-        current = await self.kube.get_object(job.api_version, plural, job.namespace, job.name)
-        patch = jobs.checkpoint_patch(current, report.step, report.location)
-        if patch is not None:
-            await self.kube.patch_object(job.api_version, plural, job.namespace, job.name, patch)
-        return True
+        current = self.caches.job(job.api_version, job.kind, job.namespace, job.name)
+        for _ in range(_CONFLICT_RETRIES):
+            if current is None:
+                current = await self.records.get_object(
+                    job.api_version, plural, job.namespace, job.name
+                )
+            patch = jobs.checkpoint_patch(current, report.step, report.location)
+            if patch is None:
+                return True
+            patch["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            try:
+                written = await self.records.patch_object(
+                    job.api_version, plural, job.namespace, job.name, patch
+                )
+            except ApiError as exc:
+                if not is_conflict(exc):
+                    raise
+                current = None
+                continue
+            self.caches.jobs[(job.api_version, job.kind)].upsert(written)
+            return True
+        raise RuntimeError(f"job {job.namespace}/{job.name}: too many write conflicts")
 
     async def record_resume(self, job: JobRef, report: ResumeReport) -> list[str]:
         """The job's agents restarted from ``report.step``: mark each incident that was
         waiting for it. Returns the incidents marked."""
         marked = []
-        found = await self.kube.list_incidents(
-            job.namespace, label_selector=f"{GROUP}/job={job.name[:63]}"
-        )
-        for candidate in found:
-            if (candidate.get("spec") or {}).get("job", {}).get("uid") != job.uid:
+        for candidate in self.caches.incidents_of(job.uid):
+            key = (job.namespace, candidate["metadata"]["name"])
+            changed: list[dict[str, Any]] = []
+
+            def resume(
+                status: dict[str, Any], key: Key = key, changed: list[dict[str, Any]] = changed
+            ) -> dict[str, Any] | None:
+                incident = {**(self._current(key) or {}), "status": status}
+                update = incidents.resumed_status(incident, report.step, report.location, now_iso())
+                changed.clear()
+                if update is not None:
+                    changed.append(update)
+                return update
+
+            async with self._lock(key):
+                written = await self._write(key, resume, self.records)
+            if written is None or not changed:
                 continue
-            name = candidate["metadata"]["name"]
-            async with self._lock(job.namespace, name):
-                for _ in range(_CONFLICT_RETRIES):
-                    incident = await self.kube.get_incident(job.namespace, name)
-                    update = incidents.resumed_status(
-                        incident, report.step, report.location, now_iso()
-                    )
-                    if update is None:
-                        break
-                    incident["status"] = update
-                    try:
-                        incident = await self.kube.replace_incident_status(incident)
-                    except Exception as exc:
-                        if is_conflict(exc):
-                            continue
-                        raise
-                    marked.append(name)
-                    resumed = next(c for c in update["conditions"] if c["type"] == "Resumed")
-                    await self._event(
-                        incident, resumed["reason"], resumed["message"], resumed["status"] != "True"
-                    )
-                    break
+            marked.append(key[1])
+            condition = next(c for c in changed[0]["conditions"] if c["type"] == "Resumed")
+            await self._emit(
+                self.records,
+                written,
+                condition["reason"],
+                condition["message"],
+                condition["status"] != "True",
+            )
         return marked
 
-    # -- containment -----------------------------------------------------------------------
+    # -- containment (the leader) --------------------------------------------------------------
+
+    def on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """The incident cache changed (a watch event, or one of our writes)."""
+        if new is None:
+            if old is not None:
+                meta = old.get("metadata") or {}
+                key = (meta.get("namespace", ""), meta.get("name", ""))
+                for memory in (self._seen, self._extra, self._agreed_at):
+                    memory.pop(key, None)
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]
+            return
+        if not self.leader:
+            return
+        meta = new["metadata"]
+        if incidents.pending_actions(new, self.rules_for(meta["namespace"])):
+            self.schedule(meta["namespace"], meta["name"])
+
+    def become_leader(self) -> None:
+        self.leader = True
+        self.resync()
+
+    def become_standby(self) -> None:
+        self.leader = False
+        for task in list(self._reconciles.values()):
+            task.cancel()
 
     def schedule(self, namespace: str, name: str) -> None:
-        """Reconcile in the background (from the intake, a watch event or the resync)."""
-        task = asyncio.get_running_loop().create_task(self._reconcile_logged(namespace, name))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Reconcile in the background (from a record, a watch event or the resync)."""
+        if not self.leader:
+            return
+        key = (namespace, name)
+        running = self._reconciles.get(key)
+        if running is not None and not running.done():
+            self._dirty.add(key)
+            return
+        self._reconciles[key] = asyncio.get_running_loop().create_task(self._reconcile_loop(key))
 
-    async def _reconcile_logged(self, namespace: str, name: str) -> None:
+    def _later(self, key: Key, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, self.schedule, *key)
+
+    async def _reconcile_loop(self, key: Key) -> None:
         try:
-            await self.reconcile(namespace, name)
-        except Exception:
-            log.exception(
-                "incident %s/%s: containment failed; retried at the next resync", namespace, name
-            )
+            while True:
+                self._dirty.discard(key)
+                try:
+                    await self.reconcile(*key)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception(
+                        "incident %s/%s: containment failed; retried at the next resync", *key
+                    )
+                if key not in self._dirty or not self.leader:
+                    return
+        finally:
+            if self._reconciles.get(key) is asyncio.current_task():
+                self._reconciles.pop(key, None)
 
     async def reconcile(self, namespace: str, name: str) -> None:
-        rules = self.rules
-        contained: tuple[str, str] | None = None  # (phase, message) when contained now
-        async with self._lock(namespace, name):
-            for _ in range(_CONFLICT_RETRIES):
-                try:
-                    incident = await self.kube.get_incident(namespace, name)
-                except Exception as exc:
-                    if is_not_found(exc):
+        key = (namespace, name)
+        async with self._lock(key):
+            for _ in range(_MAX_STEPS):
+                if not self.leader:
+                    return
+                incident = self._current(key)
+                if incident is None:
+                    return
+                rules = self.rules_for(namespace)
+                action = incidents.next_action(incident, rules)
+                if action is not None:
+                    incident = await self._act(key, incident, action, rules)
+                    if incident is None:
                         return
-                    raise
-                try:
-                    while True:
-                        action = incidents.next_action(incident, rules)
-                        if action is not None:
-                            outcome = await self._take(incident, action)
-                            incident["status"] = outcome.apply(incident["status"], action)
-                            incident = await self.kube.replace_incident_status(incident)
-                            self.metrics.actions.labels(action.action, outcome.result).inc()
-                            continue
-                        summary = incidents.containment_summary(incident, rules)
-                        if summary is None:
-                            break
-                        phase, value, reason, message = summary
-                        status = dict(incident["status"])
-                        status["phase"] = phase
-                        incidents.set_condition(
-                            status, "Contained", value, reason, message, now_iso()
-                        )
-                        incident["status"] = status
-                        incident = await self.kube.replace_incident_status(incident)
-                        contained = (phase, message)
-                except Exception as exc:
-                    if is_conflict(exc):
-                        continue
-                    raise
-                break
-            else:
-                raise RuntimeError(f"incident {namespace}/{name}: too many write conflicts")
-        if contained is None:
+                    continue
+                summary = incidents.containment_summary(incident, rules)
+                if summary is None:
+                    return
+                await self._contain(key, summary)
+
+    async def _act(
+        self, key: Key, incident: dict[str, Any], action: Action, rules: Rules
+    ) -> dict[str, Any] | None:
+        """Take (or verify) one action and record it; the incident after, or ``None`` to
+        stop for now."""
+        entry = incidents.pending_entry(incident.get("status") or {}, action)
+        outcome: Outcome | None
+        if rules.dry_run:
+            outcome = await self.actions.take(incident, action, rules)
+        elif entry is not None:
+            outcome = await self.actions.verify(incident, action, entry, rules)
+            if outcome is None:
+                self._later(key, min(5.0, self.settings.resync_seconds))
+                return None
+        else:
+            intent = await self.actions.intent(incident, action)
+            already = []
+
+            def record(status: dict[str, Any]) -> dict[str, Any] | None:
+                if action in incidents.done_actions(status):
+                    already.append(True)  # done by the previous leader: our cache was late
+                    return None
+                return incidents.record_intent(status, action, intent, now_iso())
+
+            recorded = await self._write(key, record, self.containment)
+            if recorded is None or already:
+                return recorded
+            outcome = await self.actions.take(recorded, action, rules)
+        written = await self._write(key, lambda s: outcome.apply(s, action), self.containment)
+        self.metrics.actions.labels(action.action, outcome.result).inc()
+        return written
+
+    async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:
+        phase, value, reason, message = summary
+
+        def contained(status: dict[str, Any]) -> dict[str, Any] | None:
+            if status.get("phase") != "Detected":
+                return None
+            status["phase"] = phase
+            incidents.set_condition(status, "Contained", value, reason, message, now_iso())
+            return status
+
+        written = await self._write(key, contained, self.containment)
+        self.actions.forget(f"{key[0]}/{key[1]}")
+        if written is None:
             return
-        phase, message = contained
-        agreed = self._agreed_at.pop((namespace, name), None)
+        agreed = self._agreed_at.pop(key, None)
         if agreed is not None and phase == "Contained":
             self.metrics.report_to_contained.observe(time.monotonic() - agreed)
-        await self._event(incident, phase, message, False)
-        log.warning("incident %s/%s: %s", namespace, name, message)
+        self.refresh_quarantined()
+        await self._emit(self.containment, written, phase, message, False)
+        log.warning("incident %s/%s: %s", *key, message)
 
-    async def _take(self, incident: dict[str, Any], action: Action) -> Outcome:
-        """Take one action (or, in dry-run, only say what it would be)."""
-        if self.settings.dry_run:
-            return Outcome(
-                "DryRun", f"dry-run: would {action.action.replace('-', ' ')} {action.target}"
-            )
-        if action.action == "suspend-job":
-            return Outcome(*await self._suspend_job(incident))
-        if action.action == "quarantine-node":
-            return await self._quarantine_node(incident, action.target)
-        if action.action == "resume-job":
-            return await self._resume_job(incident)
-        if action.action in ("reboot-node", "replace-node"):
-            return await self._remediate(incident, action)
-        if action.action == "release-node":
-            return await self._release(incident, action.target)
-        raise ValueError(f"unknown action {action.action!r}")
+    def refresh_quarantined(self) -> None:
+        self.metrics.quarantined_nodes.set(len(self.actions.quarantined()))
 
-    async def _job(self, incident: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """The incident's job as it is now, or (None, why not)."""
-        ref = incident["spec"]["job"]
-        namespace = incident["metadata"]["namespace"]
-        plural = jobs.JOB_KINDS[(ref["apiVersion"], ref["kind"])]
-        try:
-            job = await self.kube.get_object(ref["apiVersion"], plural, namespace, ref["name"])
-        except Exception as exc:
-            if is_not_found(exc):
-                return None, "the job no longer exists"
-            raise
-        if job["metadata"].get("uid") != ref["uid"]:
-            return None, "the job was deleted and recreated since the report"
-        return job, ""
-
-    async def _patch_job(self, job: dict[str, Any], patch: dict[str, Any]) -> None:
-        meta = job["metadata"]
-        plural = jobs.JOB_KINDS[(job["apiVersion"], job["kind"])]
-        await self.kube.patch_object(
-            job["apiVersion"], plural, meta["namespace"], meta["name"], patch
-        )
-
-    async def _resume_job(self, incident: dict[str, Any]) -> Outcome:
-        job, why = await self._job(incident)
-        if job is None:
-            return Outcome("Skipped", why, ("Resumed", "False", "JobGone", why))
-        last_clean = int(incident["spec"]["lastCleanStep"])
-        refusal = jobs.auto_resume_refusal(job)
-        if not self.settings.auto_resume:
-            refusal = ("AutoResumeOff", "automatic resume is off (HYPERPOD_SDC_AUTO_RESUME)")
-        checkpoint = jobs.newest_checkpoint(job, last_clean)
-        if refusal is None and checkpoint is None:
-            steps = [c["step"] for c in jobs.verified_checkpoints(job)]
-            refusal = (
-                "NoCleanCheckpoint",
-                f"no verified checkpoint at or before step {last_clean} was reported "
-                f"(verified checkpoints known: {steps or 'none'})",
-            )
-        patch = jobs.resume_env_patch(job, last_clean)
-        if patch is not None:  # the variable first, while the job is still suspended
-            await self._patch_job(job, patch)
-        if refusal is not None:
-            # The variable stays set: whoever restarts the job by hand restarts it from a
-            # clean checkpoint, or it fails loudly where none is old enough.
-            reason, why = refusal
-            message = (
-                f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean} set "
-                "so that a restart by hand starts from a clean checkpoint"
-            )
-            await self._event(job, "SDCJobNotResumed", message, True)
-            return Outcome("Skipped", message, ("Resumed", "False", reason, message))
-        assert checkpoint is not None
-        how = "lifted runPolicy.suspend"
-        reactivated = (
-            await self._set_workloads_active(job, True) if jobs.is_kueue_managed(job) else None
-        )
-        if reactivated is not None:
-            how = reactivated
-        elif (patch := jobs.unsuspend_patch(job)) is not None:
-            await self._patch_job(job, patch)
-        message = (
-            f"set {RESUME_MAX_STEP_ENV}={last_clean} on every container and {how}; "
-            f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
-        )
-        await self._event(job, "SDCJobResumed", message, False)
-        return Outcome(
-            "Succeeded",
-            message,
-            (
-                "Resumed",
-                "Unknown",
-                "Restarting",
-                "waiting for the job's agents to report the step they resumed from",
-            ),
-            {"resumeCheckpoint": checkpoint},
-        )
-
-    async def _set_workloads_active(self, job: dict[str, Any], active: bool) -> str | None:
-        """Deactivate (stop) or reactivate (resume) the Kueue Workloads the job owns; what
-        was done, or ``None`` when it owns none."""
-        owned = await self._workloads_of(job)
-        if not owned:
-            return None
-        for workload in owned:
-            patch = jobs.workload_active_patch(workload, active)
-            if patch is not None:
-                await self.kube.patch_object(
-                    jobs.KUEUE_WORKLOAD_API,
-                    jobs.KUEUE_WORKLOAD_PLURAL,
-                    job["metadata"]["namespace"],
-                    workload["metadata"]["name"],
-                    patch,
-                )
-        names = ", ".join(w["metadata"]["name"] for w in owned)
-        verb = "reactivated" if active else "deactivated"
-        return f"{verb} Kueue Workload {names} (spec.active={str(active).lower()})"
-
-    async def _suspend_job(self, incident: dict[str, Any]) -> tuple[str, str]:
-        job, why = await self._job(incident)
-        if job is None:
-            return "Skipped", why
-        if jobs.is_kueue_managed(job):
-            done = await self._set_workloads_active(job, False)
-            if done is not None:
-                await self._event(job, "SDCJobStopped", f"{done} ({self._ref(incident)})", True)
-                return "Succeeded", done
-        patch = jobs.suspend_patch(job)
-        if patch is None:
-            return "Succeeded", "runPolicy.suspend was already true"
-        await self._patch_job(job, patch)
-        message = (
-            f"set runPolicy.suspend=true: suspected silent data corruption ({self._ref(incident)})"
-        )
-        await self._event(job, "SDCJobSuspended", message, True)
-        return "Succeeded", "set runPolicy.suspend=true"
-
-    async def _workloads_of(self, job: dict[str, Any]) -> list[dict[str, Any]]:
-        """The Kueue Workloads the job owns; none where Kueue is not installed."""
-        try:
-            workloads = await self.kube.list_objects(
-                jobs.KUEUE_WORKLOAD_API, jobs.KUEUE_WORKLOAD_PLURAL, job["metadata"]["namespace"]
-            )
-        except Exception as exc:
-            if is_not_found(exc):
-                return []
-            raise
-        uid = job["metadata"]["uid"]
-        return [
-            w
-            for w in workloads
-            if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])
-        ]
-
-    async def _quarantine_node(self, incident: dict[str, Any], node_name: str) -> Outcome:
-        try:
-            node = await self.kube.get_node(node_name)
-        except Exception as exc:
-            if is_not_found(exc):
-                return Outcome("Skipped", f"node {node_name} no longer exists", reason="NodeGone")
-            raise
-        ref = self._ref(incident)
-        patch = nodes.quarantine_patch(node, ref)
-        if patch is None:
-            return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
-        # All or nothing: the incident's remaining suspect nodes must fit under the caps
-        # together, so a cap never leaves an incident half quarantined.
-        planned = [
-            a.target
-            for a in incidents.planned_actions(incident, self.rules)
-            if a.action == "quarantine-node"
-        ]
-        remaining = len(set(planned) - set(incidents.quarantined_nodes(incident["status"])))
-        refusal = await self._over_cap(incident, node_name, max(1, remaining))
-        if refusal is not None:
-            await self._event(incident, "SDCQuarantineCapReached", refusal, True)
-            return Outcome("Skipped", refusal, reason="CapReached")
-        await self.kube.patch_node(node_name, patch)
-        await self.refresh_quarantined()
-        message = (
-            f"cordoned; taint {SUSPECT_KEY}=true:NoSchedule, label {SUSPECT_KEY}=true and "
-            f"annotation for incident {ref}"
-        )
-        await self._event(node, "SDCNodeQuarantined", message, True)
-        return Outcome("Succeeded", message)
-
-    async def _over_cap(self, incident: dict[str, Any], node_name: str, adding: int) -> str | None:
-        """Why quarantining ``adding`` more nodes would break a cap, or ``None``."""
-        quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
-        total = len(await self.kube.list_nodes())
-        cap = self.settings.quarantine_cap(total)
-        if len(quarantined) + adding > cap:
-            return (
-                f"not quarantining {node_name} ({adding} suspect node(s)): {len(quarantined)} of "
-                f"{total} nodes are "
-                f"quarantined already, the cluster-wide cap is {cap} "
-                f"(HYPERPOD_SDC_MAX_QUARANTINED_NODES={self.settings.max_quarantined_nodes}); "
-                "a person must review"
-            )
-        job = incident["spec"]["job"]
-        namespace = incident["metadata"]["namespace"]
-        of_job = {
-            f"{namespace}/{i['metadata']['name']}"
-            for i in await self.kube.list_incidents(
-                namespace, label_selector=f"{GROUP}/job={job['name'][:63]}"
-            )
-            if (i.get("spec") or {}).get("job", {}).get("uid") == job["uid"]
-        }
-        mine = [
-            n
-            for n in quarantined
-            if ((n["metadata"].get("annotations") or {}).get(INCIDENT_ANNOTATION)) in of_job
-        ]
-        if len(mine) + adding > self.settings.max_quarantined_per_job:
-            return (
-                f"not quarantining {node_name} ({adding} suspect node(s)): job "
-                f"{namespace}/{job['name']} has "
-                f"{len(mine)} quarantined node(s), the cap per job is "
-                f"{self.settings.max_quarantined_per_job} (HYPERPOD_SDC_MAX_QUARANTINED_PER_JOB)"
-            )
-        return None
-
-    async def _remediate(self, incident: dict[str, Any], action: Action) -> Outcome:
-        kind = action.action.removesuffix("-node")  # reboot or replace
-        node_name = action.target
-        try:
-            node = await self.kube.get_node(node_name)
-        except Exception as exc:
-            if is_not_found(exc):  # replaced already, or gone: nothing left to do
-                message = f"node {node_name} no longer exists"
-                return Outcome("Skipped", message, ("Remediated", "True", "NodeGone", message))
-            raise
-        done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
-        if self.settings.remediation_method == "label":
-            patch = nodes.health_label_patch(node, kind)
-            if patch is not None:
-                await self.kube.patch_node(node_name, patch)
-            value = nodes.HEALTH_LABEL_VALUES[kind]
-            message = (
-                f"labelled {node_name} {HYPERPOD_HEALTH_LABEL}={value} for HyperPod to {kind} it"
-            )
-        else:
-            labels = node["metadata"].get("labels") or {}
-            cluster = labels.get(HYPERPOD_CLUSTER_LABEL) or self.settings.cluster_name
-            instance = next(
-                (
-                    s.get("instanceId")
-                    for s in incident["status"].get("suspects") or []
-                    if s.get("node") == node_name and s.get("instanceId")
-                ),
-                None,
-            )
-            if not cluster or not instance or self.hyperpod is None:
-                message = f"cannot {kind} {node_name} through SageMaker: " + (
-                    "no instance id known"
-                    if not instance
-                    else f"no {HYPERPOD_CLUSTER_LABEL} label and no HYPERPOD_SDC_CLUSTER_NAME"
-                )
-                return _remediation_failed(message)
-            ok, message = await self.hyperpod.remediate(kind, cluster, instance)
-            if not ok:
-                return _remediation_failed(message)
-        await self._event(node, f"SDCNode{done}", message, True)
-        return Outcome(
-            "Succeeded", message, ("Remediated", "True", done, message), {"phase": "Remediated"}
-        )
-
-    async def _release(self, incident: dict[str, Any], node_name: str) -> Outcome:
-        try:
-            node = await self.kube.get_node(node_name)
-        except Exception as exc:
-            if is_not_found(exc):
-                message = f"node {node_name} no longer exists"
-                return _released("Skipped", message)
-            raise
-        annotations = node["metadata"].get("annotations") or {}
-        if annotations.get(INCIDENT_ANNOTATION, self._ref(incident)) != self._ref(incident):
-            holder = annotations[INCIDENT_ANNOTATION]
-            message = f"node {node_name} is held by incident {holder} now; left as it is"
-            return _released("Skipped", message)
-        patch = nodes.release_patch(node)
-        if patch is not None:
-            await self.kube.patch_node(node_name, patch)
-            await self.refresh_quarantined()
-        message = f"released {node_name} after review: cordon, taint, label and annotation removed"
-        await self._event(node, "SDCNodeReleased", message, False)
-        return _released("Succeeded", message)
-
-    async def refresh_quarantined(self) -> None:
-        quarantined = await self.kube.list_nodes(label_selector=f"{SUSPECT_KEY}=true")
-        self.metrics.quarantined_nodes.set(len(quarantined))
-
-    @staticmethod
-    def _ref(incident: dict[str, Any]) -> str:
-        meta = incident["metadata"]
-        return f"{meta['namespace']}/{meta['name']}"
-
-    async def _event(self, obj: dict[str, Any], reason: str, message: str, warning: bool) -> None:
-        try:
-            await self.kube.emit_event(obj, reason, message, warning=warning)
-        except Exception as exc:  # an Event is a courtesy; never fail an action over one
-            log.warning("could not post event %s: %s", reason, exc)
-
-    # -- resync ----------------------------------------------------------------------------
-
-    async def resync(self) -> None:
-        """Drive every unfinished incident (after a restart or a failed action)."""
-        namespaces: Sequence[str | None] = self.settings.namespaces or (None,)
-        for namespace in namespaces:
-            for incident in await self.kube.list_incidents(namespace):
-                if incidents.pending_actions(incident, self.rules):
-                    meta = incident["metadata"]
-                    self.schedule(meta["namespace"], meta["name"])
-        await self.refresh_quarantined()
+    def resync(self) -> None:
+        """Drive every unfinished incident (after a restart, a change of leader or a
+        failed action)."""
+        if not self.leader:
+            return
+        for incident in self.caches.incidents.values():
+            meta = incident["metadata"]
+            if incidents.pending_actions(incident, self.rules_for(meta["namespace"])):
+                self.schedule(meta["namespace"], meta["name"])
+        self.refresh_quarantined()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = [*self._reconciles.values(), *self._flushers.values(), *self._background]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

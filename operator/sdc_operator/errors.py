@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "OperatorError", "Refusal"]
+from typing import Any
+
+__all__ = ["ApiError", "ConfigError", "OperatorError", "Refusal"]
 
 
 class OperatorError(Exception):
@@ -25,3 +27,18 @@ class Refusal(OperatorError):
         self.reason = reason
         self.message = message
         self.retry_after = retry_after
+
+
+class ApiError(OperatorError):
+    """The Kubernetes API server answered ``status`` (>= 400), or could not be reached
+    (``status`` 0). ``body`` is its ``Status`` object where it sent one."""
+
+    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+        self.body = body or {}
+
+    @property
+    def reason(self) -> str:
+        return str(self.body.get("reason") or "")

@@ -1,37 +1,46 @@
-"""The kopf handlers: start the intake and the engine, and react to incidents.
+"""The kopf handlers: start the caches, the intake, the engine and the leader election.
 
-Only ``on.event`` watches ``SDCIncident`` objects: it needs no finalizer and writes
-nothing of kopf's onto them. kopf lists every existing incident when it starts, so an
-operator restarted in the middle of an incident picks it up at once; a resync every
-``resync_seconds`` retries what failed.
+kopf runs standalone in every replica (its peering would pause the standby's watches,
+which the intake's caches need; :mod:`.leader` elects the replica that acts). The
+incidents are watched by :mod:`.caches` itself, which drives the engine: an incident that
+changes (a report, a person's annotation, the other replica's write) is reconciled by the
+leader, and every ``resync_seconds`` the leader drives each unfinished incident again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import boto3
 import kopf
 from aiohttp import web
 
-from . import incidents
+from . import jobwatch, retention  # noqa: F401  (jobwatch registers the job watches)
+from .attestation import AttestationKey, load_key
 from .auth import Authenticator, StaticTokens, TokenReviewer
+from .caches import Caches
 from .engine import IncidentEngine
+from .errors import ApiError, OperatorError
+from .heartbeats import Heartbeats
 from .intake import Intake
-from .kube import Kube, load_config
+from .kube import Endpoint, Kube
+from .leader import LeaderElector, Members
 from .localize import InstanceResolver
 from .metrics import Metrics
-from .names import GROUP, INCIDENT_PLURAL, VERSION
+from .optin import OptIn
 from .remediate import HyperPodNodes
 from .settings import OperatorSettings
+from .trust_bundle import ServingCertificate
+from .webhook import WebhookSettings
 
 __all__ = ["Operator"]
 
 log = logging.getLogger(__name__)
+RETENTION_EVERY_SECONDS = 600.0
+MEMBERS_EVERY_SECONDS = 5.0
 
 
 def _sagemaker_factory(settings: OperatorSettings) -> Callable[[], Any]:
@@ -48,78 +57,261 @@ def _sagemaker_factory(settings: OperatorSettings) -> Callable[[], Any]:
 
 
 class Operator:
-    """Everything the operator runs besides kopf's own watches."""
+    """Everything the operator runs besides kopf itself."""
 
-    def __init__(self, settings: OperatorSettings) -> None:
+    def __init__(self, settings: OperatorSettings, endpoint: Endpoint | None = None) -> None:
         self.settings = settings
-        load_config()
-        self.kube = Kube()
-        self.metrics = Metrics()
+        endpoint = endpoint or Endpoint.load()
+        self.metrics = metrics = Metrics()
+        # One connection pool each: nothing the intake does can delay containment or the
+        # Lease renewals.
+        self.watches = Kube(endpoint, name="watch", pool_size=64, metrics=metrics)
+        self.lookups = Kube(endpoint, name="intake", pool_size=32, metrics=metrics)
+        self.records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
+        self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
+        self.coordination = Kube(endpoint, name="election", pool_size=2, metrics=metrics)
+        self.engine_ready = False
+        self.caches = Caches(self.watches, settings.namespaces, on_incident=self._on_incident)
         sagemaker = _sagemaker_factory(settings)
-        self.engine = IncidentEngine(self.kube, settings, self.metrics, HyperPodNodes(sagemaker))
-        authenticator: Authenticator
-        if settings.auth_mode == "static":
-            assert settings.static_tokens_file is not None
-            authenticator = StaticTokens(settings.static_tokens_file)
-            log.warning("auth mode is static: development only, tokens are not reviewed")
-        else:
-            authenticator = TokenReviewer(
-                self.kube, settings.token_audience, settings.token_cache_seconds
-            )
-        resolver = InstanceResolver(sagemaker, cluster_name=settings.cluster_name)
-        self.intake = Intake(
-            settings, self.kube, authenticator, self.engine, resolver, self.metrics
+        self.hyperpod = HyperPodNodes(sagemaker)
+        self.engine = IncidentEngine(
+            settings,
+            metrics,
+            self.caches,
+            records=self.records,
+            containment=self.containment,
+            hyperpod=self.hyperpod,
+        )
+        self.heartbeats = Heartbeats(metrics)
+        self.key: AttestationKey | None = None
+        self.elector: LeaderElector | None = None
+        self.members = Members(
+            self.coordination,
+            settings.namespace,
+            settings.lease_name,
+            settings.identity,
+            last_seen=self.heartbeats.last_seen,
         )
         self._runner: web.AppRunner | None = None
-        self._resync: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._peers: dict[str, float] = {}
+        # The admission webhook (same server, same TLS), CA publishing and the job watch.
+        self.serving = None
+        if settings.tls_cert_file and settings.tls_key_file:
+            self.serving = ServingCertificate(settings.tls_cert_file, settings.tls_key_file)
+        webhook_settings = WebhookSettings.from_env()
+        self.optin = OptIn(
+            self.lookups,
+            webhook_settings,
+            token_audience=settings.token_audience,
+            trusted_creators=lambda: settings.trusted_pod_creators,
+            key=self._attestation_key,
+            leader=lambda: self.engine.leader,
+            registry=self.metrics.registry,
+            serving=self.serving,
+        )
+
+    def _attestation_key(self) -> bytes:
+        if self.key is None:  # only before start() loaded it; the intake is not up then
+            raise OperatorError("the attestation key is not loaded yet")
+        return self.key.value
+
+    def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        if self.engine_ready:
+            self.engine.on_incident(old, new)
+
+    def _authenticator(self) -> Authenticator:
+        s = self.settings
+        if s.auth_mode == "static":
+            assert s.static_tokens_file is not None
+            log.warning("auth mode is static: development only, tokens are not reviewed")
+            return StaticTokens(s.static_tokens_file)
+        return TokenReviewer(
+            self.lookups,
+            s.token_audience,
+            s.token_cache_seconds,
+            negative_seconds=s.negative_token_cache_seconds,
+            reviews_per_second=s.token_reviews_per_second,
+            burst=s.token_review_burst,
+            metrics=self.metrics,
+        )
 
     async def start(self) -> None:
-        ssl_context = None
-        if self.settings.tls_cert_file and self.settings.tls_key_file:
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(self.settings.tls_cert_file, self.settings.tls_key_file)
-        self._runner = web.AppRunner(self.intake.app(), access_log=None)
+        s = self.settings
+        while True:
+            try:
+                self.key = await load_key(self.records, s.namespace, s.attestation_secret)
+                break
+            except OperatorError as exc:
+                cause = exc.__cause__
+                if not isinstance(cause, ApiError) or 0 < cause.status < 500:
+                    raise  # refused (RBAC, a bad key): retrying will not help
+                log.warning("%s; trying again in 2 s", exc)
+                await asyncio.sleep(2)
+        self.caches.start()
+        resolver = InstanceResolver(_sagemaker_factory(s), cluster_name=s.cluster_name)
+        self.intake = Intake(
+            s,
+            self.caches,
+            self._authenticator(),
+            self.engine,
+            resolver,
+            self.heartbeats,
+            self.metrics,
+            self.key,
+            self.lookups,
+        )
+        self.intake.ready = self.caches.synced
+        self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
+        ssl_context = self.serving.context if self.serving is not None else None
+        app = self.intake.app()
+        self.optin.add_routes(app)
+        self._runner = self.intake.runner(app)
         await self._runner.setup()
         site = web.TCPSite(
-            self._runner,
-            self.settings.listen_address,
-            self.settings.listen_port,
-            ssl_context=ssl_context,
+            self._runner, s.listen_address, s.listen_port, ssl_context=ssl_context, backlog=4096
         )
         await site.start()
         log.info(
             "intake listening on %s://%s:%d",
             "https" if ssl_context else "http",
-            self.settings.listen_address,
-            self.settings.listen_port,
+            s.listen_address,
+            s.listen_port,
         )
-        self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
+        self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
+        await self.optin.start()
 
-    async def _resync_forever(self) -> None:
-        while True:
-            try:
-                await self.engine.resync()
-            except Exception:
-                log.exception("resync failed; trying again in %g s", self.settings.resync_seconds)
-            await asyncio.sleep(self.settings.resync_seconds)
+    async def _elect_when_synced(self) -> None:
+        """Act only with full caches: a leader that counted quarantined nodes from a
+        half-listed cache could break a cap."""
+        while not self.caches.synced():
+            await asyncio.sleep(0.1)
+        self.engine_ready = True
+        s = self.settings
+        if s.leader_election:
+            self.elector = LeaderElector(
+                self.coordination,
+                s.namespace,
+                s.lease_name,
+                s.identity,
+                s.lease_seconds,
+                on_start=self._lead,
+                on_stop=self._follow,
+            )
+            self.elector.start()
+        else:
+            self._lead()
+        self._every(s.resync_seconds, self._resync)
+        self._every(min(MEMBERS_EVERY_SECONDS, s.resync_seconds), self._members)
+        self._every(RETENTION_EVERY_SECONDS, self._retention, first=min(5.0, s.resync_seconds))
+
+    def _lead(self) -> None:
+        self.metrics.leader.set(1)
+        self.engine.become_leader()
+
+    def _follow(self) -> None:
+        self.metrics.leader.set(0)
+        self.engine.become_standby()
+
+    def _every(
+        self, seconds: float, fn: Callable[[], Awaitable[None]], first: float | None = None
+    ) -> None:
+        async def loop() -> None:
+            await asyncio.sleep(seconds if first is None else first)
+            while True:
+                try:
+                    await fn()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("%s failed; trying again in %g s", fn.__name__, seconds)
+                await asyncio.sleep(seconds)
+
+        self._loops.append(asyncio.get_running_loop().create_task(loop()))
+
+    async def _resync(self) -> None:
+        self.engine.resync()
+        await self.engine.flush_counts()
+
+    async def _members(self) -> None:
+        """Publish what this replica heard; the leader reads the others and posts an Event
+        on each job that went silent."""
+        s = self.settings
+        self.heartbeats.refresh(window=s.heartbeat_silence_seconds)
+        if s.leader_election:
+            await self.members.publish()
+        if not self.engine.leader:
+            return
+        if s.leader_election:
+            self._peers = await self.members.peers(prune=True)
+        went, came = self.heartbeats.silent(s.heartbeat_silence_seconds, self._peers, self._running)
+        for beats in went:
+            job = self._job_body(beats.job)
+            message = (
+                f"no heartbeat from the job's agents for "
+                f"{self.heartbeats.silence_after(beats, s.heartbeat_silence_seconds):.0f} s: "
+                "the job runs unobserved (agents crashed, or cannot reach the operator)"
+            )
+            log.warning("job %s/%s: %s", beats.job.namespace, beats.job.name, message)
+            await self.engine._emit(self.containment, job, "SDCAgentsSilent", message, True)
+        for beats in came:
+            job = self._job_body(beats.job)
+            await self.engine._emit(
+                self.containment, job, "SDCAgentsReporting", "heartbeats arrive again", False
+            )
+
+    def _running(self, ref: Any) -> bool:
+        job = self.caches.job(ref.api_version, ref.kind, ref.namespace, ref.name)
+        return bool(
+            job
+            and job["metadata"].get("uid") == ref.uid
+            and not ((job.get("spec") or {}).get("runPolicy") or {}).get("suspend")
+        )
+
+    def _job_body(self, ref: Any) -> dict[str, Any]:
+        found = self.caches.job(ref.api_version, ref.kind, ref.namespace, ref.name)
+        return found or {
+            "apiVersion": ref.api_version,
+            "kind": ref.kind,
+            "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+        }
+
+    async def _retention(self) -> None:
+        if self.engine.leader:
+            await retention.sweep(
+                self.caches,
+                self.containment,
+                self.settings.incident_retention_days,
+                self.engine.rules_for,
+                self.metrics,
+            )
 
     async def stop(self) -> None:
-        if self._resync is not None:
-            self._resync.cancel()
-            await asyncio.gather(self._resync, return_exceptions=True)
-        await self.engine.close()
+        await self.optin.stop()
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self.elector is not None:
+            await self.elector.stop()
         if self._runner is not None:
             await self._runner.cleanup()
-        self.kube.close()
+        await self.engine.close()
+        await self.caches.stop()
+        self.hyperpod.close()
+        for kube in (self.watches, self.lookups, self.records, self.containment, self.coordination):
+            await kube.close()
 
 
 @kopf.on.startup()
 async def operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.enabled = False  # the engine posts its own, meaningful Events
-    settings.peering.standalone = True  # one replica (Deployment strategy Recreate)
+    settings.peering.standalone = True  # leader election is ours (.leader)
     operator = Operator(OperatorSettings.from_env())
-    await operator.start()
     memo.operator = operator
+    try:
+        await operator.start()
+    except OperatorError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
 
 
 @kopf.on.cleanup()
@@ -127,12 +319,3 @@ async def operator_cleanup(memo: kopf.Memo, **_: Any) -> None:
     operator = getattr(memo, "operator", None)
     if operator is not None:
         await operator.stop()
-
-
-@kopf.on.event(GROUP, VERSION, INCIDENT_PLURAL)
-async def sdcincident_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    if type == "DELETED":
-        return
-    engine = memo.operator.engine
-    if incidents.pending_actions(dict(body), engine.rules):
-        engine.schedule(body.metadata.namespace, body.metadata.name)

@@ -1,14 +1,26 @@
-"""Pure decisions about incidents: naming, folding reports, agreement, the next action.
+"""Pure decisions about incidents: naming, folding reports, evidence, the next action.
 
-An incident is one ``SDCIncident`` per job and suspect window ``(last_clean_step, step]``.
-Every node's reporting rank sends the same verdict, so reports for one window fold into
-one incident, one entry per reporting node. Nothing is quarantined until
-``agreement_nodes`` distinct nodes named the same suspects: one broken or lying node
-cannot take down another.
+An incident is one ``SDCIncident`` per job, run and suspect window
+``(last_clean_step, step]``. Every reporting node sends the same verdict, so reports for
+one window fold into one incident, one entry per reporting node (the first
+:data:`MAX_RECORDED_REPORTS`; later ones are counted). Repeated ``nondeterministic``
+verdicts of a job's run fold into one incident whatever their step.
+
+Evidence (docs/operator.md, "Evidence"): nothing is done until ``agreement_nodes``
+distinct nodes named the same suspects. A node is quarantined only on a verdict that
+accuses hardware, is localized and is corroborated (an independent recomputation on
+another node supports it; agents older than that field are taken at their word, except
+for the non-finite check, whose verdicts all come from one all-reduce). A transient or
+uncorroborated verdict is recorded (``Transient``, ``AwaitingEvidence``) and stops nothing,
+until the same node of the job is caught again within a window of steps (or a later
+confirmation escalates it, :func:`escalate`).
 
 The status is the incident's whole memory. :func:`next_action` reads it (and nothing
 else), so an operator restarted at any point continues with the first action not yet
-recorded, and every action is idempotent in case it ran but was not recorded.
+recorded as done. Every external action is recorded as ``Pending`` with what identifies it
+(:func:`record_intent`) before it is taken, and its result after
+(:func:`record_result`): a restart that finds a ``Pending`` action first finds out whether
+it took effect.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -28,27 +40,46 @@ from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION
 __all__ = [
     "Action",
     "JobRef",
+    "MAX_RECORDED_REPORTS",
     "Rules",
     "ResolvedSuspect",
     "agreed_group",
+    "agreed_reports",
+    "containment_summary",
+    "escalate",
     "fold_report",
     "incident_name",
+    "is_closed",
+    "last_activity",
     "new_incident",
     "next_action",
     "pending_actions",
+    "pending_entry",
     "post_containment_actions",
+    "repeat_candidates",
     "resumed_status",
     "now_iso",
     "record_action",
+    "record_intent",
+    "record_result",
     "set_condition",
 ]
 
 NOT_HARDWARE = frozenset({"training", "nondeterministic"})
 """Classifications that never accuse hardware: recorded, no action taken."""
-# Phases in which a new report may still change suspects and phase.
-_OPEN_PHASES = frozenset({None, "WaitingForAgreement", "NotHardware"})
+OPEN_PHASES = frozenset(
+    {None, "WaitingForAgreement", "NotHardware", "AwaitingEvidence", "Transient"}
+)
+"""Phases in which a new report may still change suspects and phase."""
+HELD_PHASES = frozenset({"AwaitingEvidence", "Transient"})
+"""Recorded, acting on nothing, until the same node is caught again (or confirmed)."""
 FINAL_RESULTS = frozenset({"Succeeded", "DryRun", "Skipped"})
-"""Results that end an action; ``Failed`` is retried."""
+"""Results that end an action; ``Failed`` is retried, ``Pending`` is verified first."""
+PENDING = "Pending"
+MAX_RECORDED_REPORTS = 32
+"""Reporting nodes recorded in ``status.reports``; later ones are only counted
+(``status.reportingNodes``): agreement needs two, and the object stays small."""
+MAX_RECORDED_STEPS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +137,31 @@ def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_time(at: str) -> datetime:
+    return datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
 _NOT_DNS = re.compile(r"[^a-z0-9-]")
 
 
-def incident_name(job: JobRef, report: VerdictReport) -> str:
+def _base(job: JobRef) -> str:
+    return _NOT_DNS.sub("-", job.name.lower())[:40].strip("-") or "job"
+
+
+def incident_name(job: JobRef, report: VerdictReport, generation: int = 0) -> str:
     """Deterministic, so concurrent reports for one window meet at one object:
-    ``<job>-<step>-<hash of job uid and window>`` (at most 63 characters)."""
-    window = f"{job.uid}/{report.last_clean_step}/{report.step}"
+    ``<job>-<step>-<hash>`` (at most 63 characters), the hash over the job's uid, the
+    window and the run. The run is the verdict's ``run_id``; for agents without one, the
+    operator's count of the job's restarts (``generation``, 0 before the first), so a
+    re-detection after a resume is a new incident. A run's ``nondeterministic`` verdicts
+    meet at ``<job>-nondeterministic-<hash>`` whatever their step."""
+    run = report.run_id or (f"gen{generation}" if generation else "")
+    if report.classification == "nondeterministic":
+        digest = hashlib.sha256(f"{job.uid}/nondeterministic/{run}".encode()).hexdigest()[:8]
+        return f"{_base(job)[:32].strip('-') or 'job'}-nondeterministic-{digest}"
+    window = f"{job.uid}/{report.last_clean_step}/{report.step}" + (f"/{run}" if run else "")
     digest = hashlib.sha256(window.encode()).hexdigest()[:8]
-    base = _NOT_DNS.sub("-", job.name.lower())[:40].strip("-") or "job"
-    return f"{base}-{report.step}-{digest}"
+    return f"{_base(job)}-{report.step}-{digest}"
 
 
 def new_incident(job: JobRef, name: str, report: VerdictReport) -> dict[str, Any]:
@@ -129,8 +175,14 @@ def new_incident(job: JobRef, name: str, report: VerdictReport) -> dict[str, Any
         "localized": report.localized,
         "message": report.message,
     }
-    if report.transient is not None:
-        spec["transient"] = report.transient
+    for key, value in (
+        ("transient", report.transient),
+        ("corroborated", report.corroborated),
+        ("runId", report.run_id),
+        ("bundle", report.bundle),
+    ):
+        if value is not None:
+            spec[key] = value
     if report.evidence:
         spec["evidence"] = report.evidence
     return {
@@ -144,6 +196,9 @@ def new_incident(job: JobRef, name: str, report: VerdictReport) -> dict[str, Any
         },
         "spec": spec,
     }
+
+
+# -- agreement and evidence -------------------------------------------------------------------
 
 
 def _group_key(entry: dict[str, Any]) -> tuple[str, bool, tuple[int, ...]]:
@@ -170,6 +225,64 @@ def agreed_group(
     return next(key for count, key in best if count == most)
 
 
+def agreed_reports(status: dict[str, Any], needed: int) -> list[dict[str, Any]]:
+    group = agreed_group(status.get("reports") or [], needed)
+    if group is None:
+        return []
+    return [e for e in status.get("reports") or [] if _group_key(e) == group]
+
+
+def _tristate(entries: Iterable[dict[str, Any]], key: str) -> bool | None:
+    """True if any entry says so, else False if any says so, else None (not said)."""
+    values = [e.get(key) for e in entries]
+    if True in values:
+        return True
+    if False in values:
+        return False
+    return None
+
+
+def evidence_hold(incident: dict[str, Any], needed: int) -> tuple[str, str] | None:
+    """Why an agreed verdict that accuses hardware must not act yet, as (phase, message),
+    or ``None`` when it may: transient, or not corroborated by an independent
+    recomputation (the non-finite check's verdicts all come from one all-reduce, so
+    without ``corroborated`` they are one piece of evidence however many nodes send them)."""
+    status = incident.get("status") or {}
+    if status.get("escalation"):
+        return None
+    agreed = agreed_reports(status, needed)
+    check = str((incident.get("spec") or {}).get("check") or "")
+    if _tristate(agreed, "transient") is True:
+        return (
+            "Transient",
+            "transient: the suspect's recomputation of its own work came out right; nothing "
+            "is stopped or quarantined unless the same node is caught again",
+        )
+    corroborated = _tristate(agreed, "corroborated")
+    if corroborated is False or (corroborated is None and check == "nonfinite"):
+        return (
+            "AwaitingEvidence",
+            "not corroborated: no independent recomputation on another node supports the "
+            "accusation yet; nothing is stopped or quarantined unless the same node is "
+            "caught again",
+        )
+    return None
+
+
+def _phase_before_containment(incident: dict[str, Any], needed: int) -> str:
+    status = incident.get("status") or {}
+    reports = status.get("reports") or []
+    group = agreed_group(reports, needed)
+    if group is None:
+        if all(e.get("classification") in NOT_HARDWARE for e in reports):
+            return "NotHardware"
+        return "WaitingForAgreement"
+    if group[0] in NOT_HARDWARE:
+        return "NotHardware"
+    hold = evidence_hold(incident, needed)
+    return hold[0] if hold is not None else "Detected"
+
+
 def fold_report(
     status: dict[str, Any],
     report: VerdictReport,
@@ -179,15 +292,23 @@ def fold_report(
     suspects: Sequence[ResolvedSuspect],
     needed: int,
     received_at: str,
+    check: str | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """The status after ``report`` (from ``reporter_pod`` on ``reporter_node``, both
     authenticated) folds in, and whether anything changed. A second report from a node
-    already recorded changes nothing."""
+    already recorded changes nothing (for a ``nondeterministic`` incident: unless it is of a
+    step not counted yet)."""
     status = _copy_status(status)
     reports = status.setdefault("reports", [])
+    changed = False
+    if report.classification == "nondeterministic":
+        changed = _count_occurrence(status, report)
     if any(entry.get("node") == reporter_node for entry in reports):
-        return status, False
-    entry = {
+        return status, changed
+    status["reportingNodes"] = int(status.get("reportingNodes") or len(reports)) + 1
+    if len(reports) >= MAX_RECORDED_REPORTS:
+        return status, True
+    entry: dict[str, Any] = {
         "node": reporter_node,
         "pod": reporter_pod,
         "rank": report.reporter.rank,
@@ -196,8 +317,12 @@ def fold_report(
         "localized": report.localized,
         "suspectRanks": [s.rank for s in suspects],
     }
+    if report.corroborated is not None:
+        entry["corroborated"] = report.corroborated
+    if report.transient is not None:
+        entry["transient"] = report.transient
     reports.append(entry)
-    if status.get("phase") in _OPEN_PHASES:
+    if status.get("phase") in OPEN_PHASES:
         # Suspects and phase are frozen once containment starts (phase Detected).
         if not status.get("suspects") or agreed_group(reports, needed) == _group_key(entry):
             _set_suspects(status, suspects)
@@ -209,8 +334,35 @@ def fold_report(
             report.message,
             received_at,
         )
-        status["phase"] = _phase_before_containment(reports, needed)
+        view = {"spec": {"check": check or report.check}, "status": status}
+        status["phase"] = _phase_before_containment(view, needed)
+        if report.classification == "nondeterministic":
+            _set_guidance(status)
     return status, True
+
+
+def _count_occurrence(status: dict[str, Any], report: VerdictReport) -> bool:
+    steps = list(status.get("occurrenceSteps") or [])
+    if report.step in steps or report.step == status.get("firstStep"):
+        return False
+    status["occurrences"] = int(status.get("occurrences") or 0) + 1
+    status.setdefault("firstStep", report.step)
+    status["lastStep"] = max(int(status.get("lastStep") or 0), report.step)
+    status["occurrenceSteps"] = sorted({*steps, report.step})[-MAX_RECORDED_STEPS:]
+    _set_guidance(status)
+    return True
+
+
+def _set_guidance(status: dict[str, Any]) -> None:
+    count = int(status.get("occurrences") or 1)
+    first, last = status.get("firstStep"), status.get("lastStep")
+    status["message"] = (
+        f"{count} non-deterministic verdict(s) (steps {first} to {last}): the job's "
+        "computation is not reproducible across processes, so the audit cannot tell a "
+        "faulty GPU from noise. No node is accused and training goes on. Make it "
+        "reproducible with sdc_agent.enable_determinism(), or let the agent measure the "
+        "noise first with HYPERPOD_SDC_REPLAY_MODE=calibrate (docs/agent.md)"
+    )
 
 
 def _set_suspects(status: dict[str, Any], suspects: Sequence[ResolvedSuspect]) -> None:
@@ -224,18 +376,70 @@ def _set_suspects(status: dict[str, Any], suspects: Sequence[ResolvedSuspect]) -
             status["instanceId"] = suspects[0].instance_id
 
 
-def _phase_before_containment(reports: Sequence[dict[str, Any]], needed: int) -> str:
-    group = agreed_group(reports, needed)
-    if group is None:
-        if all(e.get("classification") in NOT_HARDWARE for e in reports):
-            return "NotHardware"
-        return "WaitingForAgreement"
-    return "NotHardware" if group[0] in NOT_HARDWARE else "Detected"
+def suspect_nodes(incident: dict[str, Any]) -> list[str]:
+    nodes: list[str] = []
+    for suspect in (incident.get("status") or {}).get("suspects") or []:
+        node = suspect.get("node")
+        if node and node not in nodes:
+            nodes.append(node)
+    return nodes
+
+
+def repeat_candidates(
+    incident: dict[str, Any], others: Iterable[dict[str, Any]], window_steps: int
+) -> list[str]:
+    """Names of the job's other incidents that caught one of this incident's suspect
+    nodes within ``window_steps`` steps of it (its repeats)."""
+    nodes = set(suspect_nodes(incident))
+    spec = incident.get("spec") or {}
+    uid = (spec.get("job") or {}).get("uid")
+    step = int(spec.get("detectionStep") or 0)
+    name = (incident.get("metadata") or {}).get("name")
+    found = []
+    for other in others:
+        ospec = other.get("spec") or {}
+        if (other.get("metadata") or {}).get("name") == name:
+            continue
+        if (ospec.get("job") or {}).get("uid") != uid:
+            continue
+        if ospec.get("classification") in NOT_HARDWARE:
+            continue
+        if abs(int(ospec.get("detectionStep") or 0) - step) > window_steps:
+            continue
+        if nodes & set(suspect_nodes(other)):
+            found.append(str((other.get("metadata") or {}).get("name")))
+    return sorted(found)
+
+
+def escalate(
+    status: dict[str, Any], reason: str, message: str, incidents: Sequence[str], at: str
+) -> dict[str, Any]:
+    """The status of a held (``Transient``/``AwaitingEvidence``) incident that is to be
+    contained as a persistent fault after all: the same node caught again (``Repeated``),
+    or, later, a confirmation run on the node (issue 14). Phase ``Detected``: containment
+    starts; the escalation and the incidents it rests on are recorded."""
+    status = _copy_status(status)
+    status["escalation"] = {
+        "reason": reason,
+        "message": message[:1024],
+        "at": at,
+        "incidents": list(incidents),
+    }
+    if incidents:
+        status["relatedIncidents"] = sorted({*status.get("relatedIncidents", []), *incidents})
+    if status.get("phase") in HELD_PHASES:
+        status["phase"] = "Detected"
+    set_condition(status, "Detected", "True", reason, message, at)
+    return status
+
+
+# -- actions ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """The settings the decisions depend on (from :class:`OperatorSettings`)."""
+    """The settings the decisions depend on (from :class:`OperatorSettings`, and for one
+    namespace its ``SDCPolicy``)."""
 
     agreement_nodes: int = 2
     storm_suspect_nodes: int = 2
@@ -260,15 +464,6 @@ def _job_target(incident: dict[str, Any]) -> str:
     return f"{job.get('kind')} {namespace}/{job.get('name')}"
 
 
-def suspect_nodes(incident: dict[str, Any]) -> list[str]:
-    nodes: list[str] = []
-    for suspect in (incident.get("status") or {}).get("suspects") or []:
-        node = suspect.get("node")
-        if node and node not in nodes:
-            nodes.append(node)
-    return nodes
-
-
 def is_storm(incident: dict[str, Any], rules: Rules) -> bool:
     """Suspects on many nodes at once point at software non-determinism, not hardware."""
     return len(suspect_nodes(incident)) > rules.storm_suspect_nodes
@@ -276,13 +471,13 @@ def is_storm(incident: dict[str, Any], rules: Rules) -> bool:
 
 def planned_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
     """Containment, in order: stop the job, then quarantine each suspect node (only for an
-    agreed, localized verdict that accuses hardware, and not in a storm)."""
+    agreed, localized, corroborated verdict that accuses hardware, and not in a storm)."""
     status = incident.get("status") or {}
     group = agreed_group(status.get("reports") or [], rules.agreement_nodes)
     if group is None:
         return []
     classification, localized, ranks = group
-    if classification in NOT_HARDWARE:
+    if classification in NOT_HARDWARE or evidence_hold(incident, rules.agreement_nodes):
         return []
     actions = [Action("suspend-job", _job_target(incident))]
     if localized and ranks and not is_storm(incident, rules):
@@ -296,6 +491,14 @@ def done_actions(status: dict[str, Any]) -> set[Action]:
         for a in status.get("actions") or []
         if a.get("result") in FINAL_RESULTS
     }
+
+
+def pending_entry(status: dict[str, Any], action: Action) -> dict[str, Any] | None:
+    """The ``Pending`` record of ``action``: taken, or about to be, with no result yet."""
+    for entry in reversed(status.get("actions") or []):
+        if (entry.get("action"), entry.get("target")) == (action.action, action.target):
+            return entry if entry.get("result") == PENDING else None
+    return None
 
 
 def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -337,10 +540,6 @@ def post_containment_actions(incident: dict[str, Any], rules: Rules) -> list[Act
     return actions
 
 
-def _parse_time(at: str) -> datetime:
-    return datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-
-
 def retry_at(status: dict[str, Any], action: Action, rules: Rules) -> datetime | None:
     """When a failed action may be tried again (back-off doubling from
     ``backoff_seconds``, at most 32 times that), or ``None`` if it never failed."""
@@ -353,31 +552,35 @@ def retry_at(status: dict[str, Any], action: Action, rules: Rules) -> datetime |
     if not failures:
         return None
     delay = rules.backoff_seconds * min(2 ** (len(failures) - 1), 32)
-    return _parse_time(failures[-1]["at"]) + timedelta(seconds=delay)
+    return parse_time(failures[-1]["at"]) + timedelta(seconds=delay)
 
 
 _OPEN_FOR_ACTIONS = frozenset({"Contained", "Resumed", "Remediated"})
 
 
+def _planned(incident: dict[str, Any], rules: Rules) -> list[Action]:
+    phase = (incident.get("status") or {}).get("phase")
+    if phase == "Detected":
+        return planned_actions(incident, rules)
+    if phase in _OPEN_FOR_ACTIONS:
+        return post_containment_actions(incident, rules)
+    return []
+
+
 def next_action(
     incident: dict[str, Any], rules: Rules, now: datetime | None = None
 ) -> Action | None:
-    """The first planned action not yet done and not waiting out a back-off, or ``None``."""
+    """The first planned action not yet done and not waiting out a back-off, or ``None``.
+    It may have a ``Pending`` record (:func:`pending_entry`): then it was started and must
+    be verified before it is taken again."""
     status = incident.get("status") or {}
-    phase = status.get("phase")
-    if phase == "Detected":
-        planned = planned_actions(incident, rules)
-    elif phase in _OPEN_FOR_ACTIONS:
-        planned = post_containment_actions(incident, rules)
-    else:
-        return None
     done = done_actions(status)
     now = now or datetime.now(timezone.utc)
-    for action in planned:
+    for action in _planned(incident, rules):
         if action in done:
             continue
         due = retry_at(status, action, rules)
-        if due is None or due <= now:
+        if pending_entry(status, action) is not None or due is None or due <= now:
             return action
     return None
 
@@ -385,13 +588,10 @@ def next_action(
 def pending_actions(incident: dict[str, Any], rules: Rules) -> bool:
     """Anything left to do now or after a back-off (the resync keeps driving it)."""
     status = incident.get("status") or {}
-    phase = status.get("phase")
-    if phase == "Detected":
+    if status.get("phase") == "Detected":
         return True
-    if phase not in _OPEN_FOR_ACTIONS:
-        return False
     done = done_actions(status)
-    return any(a not in done for a in post_containment_actions(incident, rules))
+    return any(a not in done for a in _planned(incident, rules))
 
 
 def record_action(
@@ -402,17 +602,32 @@ def record_action(
     at: str,
     reason: str | None = None,
 ) -> dict[str, Any]:
+    """``action``'s result: completes its ``Pending`` record if it has one, else appends."""
     status = _copy_status(status)
-    entry = {
-        "action": action.action,
-        "target": action.target,
-        "at": at,
-        "result": result,
-        "message": message[:1024],
-    }
+    entry = pending_entry(status, action)
+    if entry is None:
+        entry = {"action": action.action, "target": action.target}
+        status.setdefault("actions", []).append(entry)
+    entry.update(at=at, result=result, message=message[:1024])
     if reason:
         entry["reason"] = reason
-    status.setdefault("actions", []).append(entry)
+    return status
+
+
+record_result = record_action
+
+
+def record_intent(
+    status: dict[str, Any], action: Action, intent: dict[str, Any], at: str
+) -> dict[str, Any]:
+    """``action`` is about to be taken: a ``Pending`` record with what identifies its effect
+    later (``intent``: the node's resource version and boot id, the instance id, ...)."""
+    status = _copy_status(status)
+    entry = pending_entry(status, action)
+    if entry is None:
+        entry = {"action": action.action, "target": action.target}
+        status.setdefault("actions", []).append(entry)
+    entry.update(at=at, result=PENDING, message="taking it", intent=dict(intent))
     return status
 
 
@@ -431,6 +646,8 @@ def containment_summary(incident: dict[str, Any], rules: Rules) -> tuple[str, st
             "DryRun",
             "dry-run: recorded the actions it would take, took none",
         )
+    escalated = (status.get("escalation") or {}).get("message")
+    why = f" ({escalated})" if escalated else ""
     if is_storm(incident, rules):
         nodes = suspect_nodes(incident)
         return (
@@ -447,7 +664,7 @@ def containment_summary(incident: dict[str, Any], rules: Rules) -> tuple[str, st
             "Contained",
             "True",
             "NodeQuarantined",
-            f"job stopped; node(s) {', '.join(planned)} cordoned and tainted",
+            f"job stopped; node(s) {', '.join(planned)} cordoned and tainted{why}",
         )
     if planned:
         skipped = [
@@ -528,3 +745,47 @@ def resumed_status(
     if status.get("phase") == "Contained":
         status["phase"] = "Resumed"
     return status
+
+
+# -- generations and retention -----------------------------------------------------------------
+
+
+def job_stopped_at(incident: dict[str, Any]) -> str | None:
+    """When this incident stopped its job (its ``suspend-job`` succeeded), or ``None``."""
+    for entry in (incident.get("status") or {}).get("actions") or []:
+        if entry.get("action") == "suspend-job" and entry.get("result") == "Succeeded":
+            return str(entry.get("at"))
+    return None
+
+
+def last_activity(incident: dict[str, Any]) -> datetime | None:
+    """The newest time recorded in the incident's status (a condition, an action, a
+    report), else its creation time."""
+    status = incident.get("status") or {}
+    stamps = [c.get("lastTransitionTime") for c in status.get("conditions") or []]
+    stamps += [a.get("at") for a in status.get("actions") or []]
+    stamps += [r.get("receivedAt") for r in status.get("reports") or []]
+    times = []
+    for stamp in stamps:
+        try:
+            times.append(parse_time(str(stamp)))
+        except ValueError:
+            continue
+    if not times:
+        try:
+            times.append(parse_time(str((incident.get("metadata") or {}).get("creationTimestamp"))))
+        except ValueError:
+            return None
+    return max(times)
+
+
+def is_closed(incident: dict[str, Any], rules: Rules) -> bool:
+    """Nothing is left to do now or later: no action pending or waiting for a person.
+    (Whether it still holds a node is for the caller, who knows the nodes.)"""
+    status = incident.get("status") or {}
+    if any(a.get("result") == PENDING for a in status.get("actions") or []):
+        return False
+    phase = status.get("phase")
+    if phase in (None, "Detected"):
+        return phase is None and not status.get("reports")
+    return not pending_actions(incident, rules)

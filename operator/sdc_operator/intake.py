@@ -1,70 +1,168 @@
 """The intake: ``POST /v1/reports`` (docs/protocol.md), ``/metrics``, ``/healthz``.
 
 A report is checked in this order, cheapest first, and the first failure answers a 4xx
-with ``{"error": <reason>, "message": <what to fix>}``, counts under that reason in
-``hyperpod_sdc_refusals_total`` and changes nothing:
+(or 503) with ``{"error": <reason>, "message": <what to fix>}``, counts under that reason in
+``hyperpod_sdc_refusals_total``, is logged at INFO at most, and changes nothing:
 
-1. media type and size (415, 413);
-2. the Bearer token -> the reporting pod (401), which must still exist (403);
-3. the pod's controlling owner -> an opted-in job (403);
-4. the job's rate (429 with ``Retry-After``);
-5. the protocol (400 not JSON, 422 against the schema), the reporter against the pod (403),
-   age (422);
-6. for a verdict, each suspect must be a pod of the same job, on the node it names (422).
+1. the operator is ready (its caches listed), not overloaded (503);
+2. media type and size (415, 413), the client address's rate (429), a Bearer token of a
+   plausible shape (401): no API call so far;
+3. the body, whole, within ``body_timeout_seconds`` (408);
+4. the token -> the reporting pod (TokenReview, cached; 401), which must still exist (403);
+5. the pod's namespace is admitted by an ``SDCPolicy`` (403 ``namespace_not_admitted``);
+6. the pod's controlling owner -> an opted-in job (403), the pod fits that job and was
+   attested by the admission webhook as a training operator's (403);
+7. the job's rate (429 with ``Retry-After``);
+8. the protocol (400 not JSON, 422 against the schema), the reporter against the pod (403),
+   age and clock (422);
+9. for a verdict, each suspect must be an attested pod of the same job, on the node it
+   names (422).
 
-Verdicts fold into the job's incident (202); heartbeats and checkpoints are counted (202).
+Pods, jobs, nodes, namespaces and policies come from watch-fed caches (:mod:`.caches`);
+a pod or job the watch has not delivered yet is read once (one read at a time per object).
+A heartbeat, and a verdict already recorded, cost no API call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sdc_agent.errors import ProtocolError
-from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport, parse_report
+from sdc_agent.protocol import (
+    CheckpointReport,
+    HeartbeatReport,
+    ResumeReport,
+    VerdictReport,
+    parse_report,
+)
 
 from . import jobs
-from .auth import Authenticator, PodIdentity
+from .attestation import AttestationKey, verify_pod
+from .auth import Authenticator, PodIdentity, bearer_token
+from .caches import Caches
 from .engine import IncidentEngine
-from .errors import Refusal
+from .errors import ApiError, Refusal
+from .heartbeats import Heartbeats
 from .incidents import JobRef, ResolvedSuspect
+from .injection import matches_any
 from .kube import Kube, is_not_found
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .ratelimit import RateLimiter
 from .settings import OperatorSettings
 
-__all__ = ["REPORTS_PATH", "Intake"]
+__all__ = ["REPORTS_PATH", "Intake", "IntakeRunner", "read_body"]
 
 log = logging.getLogger(__name__)
 REPORTS_PATH = "/v1/reports"
+MAX_HEADER_BYTES = 32 * 1024
+"""A header line longer than this is refused (431) before any handler runs."""
+
+
+class _Throttled:
+    """At most one INFO line per refusal reason every ``every`` seconds, with a count of
+    those not logged: a flood of bad requests must not become a flood of log lines."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def info(self, reason: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(reason, -1e9) < self.every:
+            self._quiet[reason] = self._quiet.get(reason, 0) + 1
+            return
+        quiet = self._quiet.pop(reason, 0)
+        self._last[reason] = now
+        suffix = f" (and {quiet} more like it in the last {self.every:g} s)" if quiet else ""
+        log.info(message + suffix, *args)
+
+
+_refusals_log = _Throttled()
+
+
+def _json(status: int, error: str, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": error, "message": message}, status=status, headers=headers)
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, with its own refusals (a header line over the limit,
+    a request that is not HTTP) answered as JSON and logged at INFO, not as plain text
+    with an ERROR and a traceback."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        text = str(getattr(exc, "message", None) or message or exc or "bad request")
+        error = "headers_too_large" if "Got more than" in text or "too long" in text else "bad_http"
+        code = 431 if error == "headers_too_large" else status
+        _refusals_log.info(error, "refused a request from %s (%s): %s", request.remote, error, text)
+        response = _json(code, error, f"the request is not acceptable HTTP: {text[:200]}")
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class IntakeRunner(web.AppRunner):
+    """An :class:`aiohttp.web.AppRunner` whose connections use :class:`_Handler`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server
 
 
 class Intake:
     def __init__(
         self,
         settings: OperatorSettings,
-        kube: Kube,
+        caches: Caches,
         authenticator: Authenticator,
         engine: IncidentEngine,
         resolver: InstanceResolver,
+        heartbeats: Heartbeats,
         metrics: Metrics,
+        key: AttestationKey | None,
+        lookups: Kube,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
-        self.kube = kube
+        self.caches = caches
         self.authenticator = authenticator
         self.engine = engine
         self.resolver = resolver
+        self.heartbeats = heartbeats
         self.metrics = metrics
-        self.limiter = RateLimiter(settings.rate_per_job, settings.rate_burst)
+        self.key = key
+        self.lookups = lookups
         self.clock = clock
+        self.limiter = RateLimiter(settings.rate_per_job, settings.rate_burst)
+        self.sources = RateLimiter(settings.rate_per_source, settings.rate_source_burst)
+        self.trusted = frozenset(settings.trusted_pod_creators)
+        self.pod_selectors: tuple[dict[str, Any], ...] = ()
+        """The admission webhook's pod selectors (set by the operator); empty: not checked."""
         self.ready: Callable[[], bool] = lambda: True
+        self.in_flight = 0
+        self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -75,6 +173,19 @@ class Intake:
         app.router.add_get("/healthz", self.get_healthz)
         app.router.add_get("/readyz", self.get_readyz)
         return app
+
+    def runner(self, app: web.Application | None = None) -> IntakeRunner:
+        """The runner to serve ``app`` (default :meth:`app`) with: slow clients cut off
+        (headers within ``header_timeout_seconds``), handlers cancelled when the client
+        hangs up, headers up to :data:`MAX_HEADER_BYTES`."""
+        return IntakeRunner(
+            app or self.app(),
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.settings.header_timeout_seconds,
+            max_field_size=MAX_HEADER_BYTES,
+            max_line_size=MAX_HEADER_BYTES,
+        )
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -88,22 +199,37 @@ class Intake:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def post_report(self, request: web.Request) -> web.Response:
+        if self.in_flight >= self.settings.max_in_flight:
+            self.metrics.refusals.labels("overloaded").inc()
+            return _json(
+                503, "overloaded", "too many reports at once; try again", **{"Retry-After": "1"}
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
         try:
             status, body = await self.accept(request)
         except Refusal as refusal:
             self.metrics.refusals.labels(refusal.reason).inc()
-            log.info("refused a report (%s): %s", refusal.reason, refusal.message)
+            _refusals_log.info(
+                refusal.reason, "refused a report (%s): %s", refusal.reason, refusal.message
+            )
             headers = {}
             if refusal.retry_after is not None:
                 headers["Retry-After"] = str(max(1, round(refusal.retry_after)))
-            return web.json_response(
-                {"error": refusal.reason, "message": refusal.message},
-                status=refusal.status,
-                headers=headers,
-            )
+            response = _json(refusal.status, refusal.reason, refusal.message, **headers)
+            if refusal.status in (408, 413):
+                response.force_close()  # the rest of the body is not worth reading
+            return response
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
         return web.json_response(body, status=status)
 
+    # -- the checks, in order ---------------------------------------------------------------
+
     async def accept(self, request: web.Request) -> tuple[int, dict[str, Any]]:
+        if not self.ready():
+            raise Refusal(503, "starting", "the operator is starting; try again", retry_after=1)
         if request.content_type != "application/json":
             raise Refusal(
                 415,
@@ -113,11 +239,35 @@ class Intake:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise Refusal(413, "too_large", f"report is larger than {limit} bytes")
-        raw = await read_body(request, limit)
+        wait = self.sources.acquire(request.remote or "")
+        if wait is not None:
+            raise Refusal(
+                429,
+                "rate_limited",
+                f"{request.remote} sends more than {self.settings.rate_per_source:g} requests "
+                "per second",
+                retry_after=wait,
+            )
+        token = bearer_token(request.headers.get("Authorization", ""))
+        try:
+            raw = await asyncio.wait_for(
+                read_body(request, limit), timeout=self.settings.body_timeout_seconds
+            )
+        except asyncio.TimeoutError:
+            raise Refusal(
+                408,
+                "timeout",
+                f"the body did not arrive within {self.settings.body_timeout_seconds:g} s",
+            ) from None
 
-        identity = await self._authenticate(request.headers.get("Authorization", ""))
+        identity = await self.authenticator.authenticate(token)
         pod = await self._pod(identity)
-        ref = await self._job_of(pod)
+        namespace = identity.namespace
+        admission = self.engine.admission(namespace)
+        if not admission.admitted:
+            raise Refusal(403, "namespace_not_admitted", admission.reason)
+        ref, job = await self._job_of(pod)
+        self._genuine(pod, job)
         retry_after = self.limiter.acquire(ref.uid)
         if retry_after is not None:
             raise Refusal(
@@ -133,31 +283,19 @@ class Intake:
             if exc.field == "report":
                 raise Refusal(400, "malformed", str(exc)) from None
             raise Refusal(422, "schema", str(exc)) from None
-
         pod_name = pod["metadata"]["name"]
         node = (pod.get("spec") or {}).get("nodeName") or ""
-        if report.reporter.node != node:
-            raise Refusal(
-                403,
-                "reporter_mismatch",
-                f"reporter.node: the token's pod {pod_name} runs on node {node or '(none)'!r}, "
-                f"not {report.reporter.node!r}",
-            )
-        if report.reporter.pod is not None and report.reporter.pod != pod_name:
-            raise Refusal(
-                403,
-                "reporter_mismatch",
-                f"reporter.pod: the token belongs to pod {pod_name}, not {report.reporter.pod!r}",
-            )
-        age = self.clock() - report.sent_at
-        if age > self.settings.max_report_age_seconds:
-            raise Refusal(
-                422,
-                "stale",
-                f"sent_at: the report is {age:.0f} s old, older than "
-                f"{self.settings.max_report_age_seconds:g} s",
-            )
+        self._reporter_is_pod(report.reporter, pod_name, node)
+        self._timely(report.sent_at)
+        return await self._dispatch(report, ref, pod, node)
 
+    async def _dispatch(
+        self, report: Any, ref: JobRef, pod: dict[str, Any], node: str
+    ) -> tuple[int, dict[str, Any]]:
+        if isinstance(report, HeartbeatReport):
+            self.heartbeats.observe(ref, node, report)
+            self.metrics.reports.labels(report.kind, "").inc()
+            return 202, {"accepted": report.kind}
         if isinstance(report, CheckpointReport):
             recorded = await self.engine.record_checkpoint(ref, report)
             self.metrics.reports.labels(report.kind, "").inc()
@@ -166,38 +304,111 @@ class Intake:
             marked = await self.engine.record_resume(ref, report)
             self.metrics.reports.labels(report.kind, "").inc()
             return 202, {"accepted": report.kind, "incidents": marked}
-        if not isinstance(report, VerdictReport):
-            self.metrics.reports.labels(report.kind, "").inc()
-            return 202, {"accepted": report.kind}
+        assert isinstance(report, VerdictReport)
         suspects = await self._resolve_suspects(report, ref)
         name, phase = await self.engine.record_verdict(
-            ref, report, reporter_pod=pod_name, reporter_node=node, suspects=suspects
+            ref,
+            report,
+            reporter_pod=pod["metadata"]["name"],
+            reporter_node=node,
+            suspects=suspects,
+            reporter_created=pod["metadata"].get("creationTimestamp"),
         )
         self.metrics.reports.labels(report.kind, report.classification).inc()
         return 202, {"accepted": report.kind, "incident": f"{ref.namespace}/{name}", "phase": phase}
 
-    async def _authenticate(self, header: str) -> PodIdentity:
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Refusal(401, "unauthenticated", "Authorization: a Bearer token is required")
-        return await self.authenticator.authenticate(token.strip())
+    def _reporter_is_pod(self, reporter: Any, pod_name: str, node: str) -> None:
+        if reporter.node != node:
+            raise Refusal(
+                403,
+                "reporter_mismatch",
+                f"reporter.node: the token's pod {pod_name} runs on node {node or '(none)'!r}, "
+                f"not {reporter.node!r}",
+            )
+        if reporter.pod is not None and reporter.pod != pod_name:
+            raise Refusal(
+                403,
+                "reporter_mismatch",
+                f"reporter.pod: the token belongs to pod {pod_name}, not {reporter.pod!r}",
+            )
+
+    def _timely(self, sent_at: float) -> None:
+        age = self.clock() - sent_at
+        if age > self.settings.max_report_age_seconds:
+            raise Refusal(
+                422,
+                "stale",
+                f"sent_at: the report is {age:.0f} s old, older than "
+                f"{self.settings.max_report_age_seconds:g} s",
+            )
+        if -age > self.settings.max_clock_skew_seconds:
+            raise Refusal(
+                422,
+                "future",
+                f"sent_at: the report is dated {-age:.0f} s in the future, more than the "
+                f"{self.settings.max_clock_skew_seconds:g} s of clock skew allowed",
+            )
+
+    # -- lookups (caches first) ---------------------------------------------------------------
+
+    async def _read_once(
+        self, key: tuple[str, ...], read: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any] | None:
+        """``read()`` for an object the cache lacks; concurrent misses share one read; a
+        404 is ``None``."""
+        shared = self._reads.get(key)
+        if shared is None:
+            shared = asyncio.get_running_loop().create_future()
+            self._reads[key] = shared
+
+            async def go() -> None:
+                try:
+                    shared.set_result(await read())
+                except ApiError as exc:
+                    if is_not_found(exc):
+                        shared.set_result(None)
+                    else:
+                        shared.set_exception(exc)
+                        shared.exception()
+                except Exception as exc:  # the same error for every waiter
+                    shared.set_exception(exc)
+                    shared.exception()
+                finally:
+                    self._reads.pop(key, None)
+
+            asyncio.get_running_loop().create_task(go())
+        return await asyncio.shield(shared)
 
     async def _pod(self, identity: PodIdentity) -> dict[str, Any]:
-        try:
-            pod = await self.kube.get_pod(identity.namespace, identity.pod)
-        except Exception as exc:
-            if is_not_found(exc):
+        pod = self.caches.pods.get(identity.namespace, identity.pod)
+        if pod is None or (identity.pod_uid and pod["metadata"].get("uid") != identity.pod_uid):
+            if not self.caches.pods.watches(identity.namespace):
                 raise Refusal(
-                    403, "unknown_pod", f"pod {identity.namespace}/{identity.pod} no longer exists"
-                ) from None
-            raise
+                    403,
+                    "namespace_not_admitted",
+                    f"namespace {identity.namespace} is not watched by this operator "
+                    "(HYPERPOD_SDC_NAMESPACES)",
+                )
+            found = await self._read_once(
+                ("pod", identity.namespace, identity.pod),
+                lambda: self.lookups.get_pod(identity.namespace, identity.pod),
+            )
+            if found is not None:
+                self.caches.pods.upsert(found)
+                pod = self.caches.pods.get(identity.namespace, identity.pod)
+            else:
+                pod = None
+        if pod is None:
+            raise Refusal(
+                403, "unknown_pod", f"pod {identity.namespace}/{identity.pod} no longer exists"
+            )
         if identity.pod_uid is not None and pod["metadata"].get("uid") != identity.pod_uid:
             raise Refusal(
                 403, "unknown_pod", f"pod {identity.namespace}/{identity.pod} was replaced"
             )
         return pod
 
-    async def _job_of(self, pod: dict[str, Any]) -> JobRef:
+    async def _job_of(self, pod: dict[str, Any]) -> tuple[JobRef, dict[str, Any]]:
         meta = pod["metadata"]
         owner = jobs.job_owner(pod)
         if owner is None:
@@ -207,47 +418,79 @@ class Intake:
                 "not_a_job_pod",
                 f"pod {meta['namespace']}/{meta['name']} is not controlled by a {kinds}",
             )
-        plural = jobs.JOB_KINDS[(owner["apiVersion"], owner["kind"])]
-        try:
-            job = await self.kube.get_object(
-                owner["apiVersion"], plural, meta["namespace"], owner["name"]
+        api_version, kind = owner["apiVersion"], owner["kind"]
+        plural = jobs.JOB_KINDS[(api_version, kind)]
+        job = self.caches.job(api_version, kind, meta["namespace"], owner["name"])
+        if job is None or job["metadata"].get("uid") != owner.get("uid"):
+            found = await self._read_once(
+                ("job", api_version, meta["namespace"], owner["name"]),
+                lambda: self.lookups.get_object(
+                    api_version, plural, meta["namespace"], owner["name"]
+                ),
             )
-        except Exception as exc:
-            if is_not_found(exc):
+            if found is None:
                 raise Refusal(
                     403,
                     "not_a_job_pod",
-                    f"the pod's {owner['kind']} {owner['name']} no longer exists",
-                ) from None
-            raise
+                    f"the pod's {kind} {owner['name']} no longer exists",
+                )
+            self.caches.jobs[(api_version, kind)].upsert(found)
+            job = self.caches.job(api_version, kind, meta["namespace"], owner["name"]) or found
         if job["metadata"].get("uid") != owner.get("uid"):
-            raise Refusal(
-                403, "not_a_job_pod", f"the pod's {owner['kind']} {owner['name']} was replaced"
-            )
+            raise Refusal(403, "not_a_job_pod", f"the pod's {kind} {owner['name']} was replaced")
         if not jobs.is_enabled(job):
             raise Refusal(
                 403,
                 "not_opted_in",
-                f"{owner['kind']} {meta['namespace']}/{owner['name']} does not carry the "
+                f"{kind} {meta['namespace']}/{owner['name']} does not carry the "
                 'annotation hyperpod-sdc.dev/enabled: "true"',
             )
-        ref = JobRef(
-            owner["apiVersion"], owner["kind"], meta["namespace"], owner["name"], owner["uid"]
-        )
-        return ref
+        return JobRef(api_version, kind, meta["namespace"], owner["name"], owner["uid"]), job
+
+    def _genuine(self, pod: dict[str, Any], job: dict[str, Any]) -> None:
+        problem = self._why_not_genuine(pod, job)
+        if problem is not None:
+            raise Refusal(
+                403, "not_a_job_pod" if problem[0] == "shape" else "not_attested", problem[1]
+            )
+
+    def _why_not_genuine(
+        self, pod: dict[str, Any], job: dict[str, Any] | None
+    ) -> tuple[str, str] | None:
+        """Why the pod is not one its job's training operator made, as (``shape`` or
+        ``attestation``, message), or ``None``: named and labelled as that operator names
+        them, sent to the admission webhook when it was created (its labels match the
+        webhook's selectors: a pod the webhook never saw could keep a copied attestation),
+        and attested there."""
+        problem = jobs.pod_fits_job(pod, job) if job else None
+        if problem is not None:
+            return "shape", problem
+        if not self.settings.require_attestation:
+            return None
+        meta = pod.get("metadata") or {}
+        ref = f"pod {meta.get('namespace')}/{meta.get('name')}"
+        if self.pod_selectors and not matches_any(self.pod_selectors, meta.get("labels") or {}):
+            return "attestation", (
+                f"{ref} does not carry the labels the admission webhook selects, so the "
+                "webhook never saw it created"
+            )
+        assert self.key is not None
+        genuine, why = verify_pod(self.key.value, pod, self.trusted)
+        return None if genuine else ("attestation", why)
 
     async def _resolve_suspects(self, report: VerdictReport, ref: JobRef) -> list[ResolvedSuspect]:
-        """Each suspect -> a pod of this very job -> its node -> the instance id."""
+        """Each suspect -> an attested pod of this very job -> its node -> the instance id."""
         if not report.suspects:
             return []
         job_pods = [
             p
-            for p in await self.kube.list_pods(ref.namespace)
-            if (jobs.job_owner(p) or {}).get("uid") == ref.uid
+            for p in self.caches.pods_of(ref.uid)
+            if p["metadata"].get("namespace") == ref.namespace
         ]
         by_name = {p["metadata"]["name"]: p for p in job_pods}
+        job = self.caches.job(ref.api_version, ref.kind, ref.namespace, ref.name) or {}
         resolved: list[ResolvedSuspect] = []
-        nodes: dict[str, tuple[str | None, str]] = {}
+        instances: dict[str, str | None] = {}
         for i, suspect in enumerate(report.suspects):
             field = f"suspects[{i}]"
             if suspect.pod is not None:
@@ -279,28 +522,29 @@ class Intake:
                     f"{field}.node: pod {pod['metadata']['name']} runs on node "
                     f"{node or '(none)'!r}, not {suspect.node!r}",
                 )
-            if node not in nodes:
-                nodes[node] = await self._instance(node)
+            problem = self._why_not_genuine(pod, job or None)
+            if problem is not None:
+                raise Refusal(422, "unknown_suspect", f"{field}: {problem[1]}")
+            if node not in instances:
+                instances[node] = await self._instance(node)
             resolved.append(
                 ResolvedSuspect(
                     rank=suspect.rank,
                     local_rank=suspect.local_rank,
                     pod=pod["metadata"]["name"],
                     node=node,
-                    instance_id=nodes[node][0],
+                    instance_id=instances[node],
                     gpu_uuid=suspect.gpu_uuid,
                 )
             )
         return resolved
 
-    async def _instance(self, node_name: str) -> tuple[str | None, str]:
-        try:
-            node = await self.kube.get_node(node_name)
-        except Exception as exc:
-            if is_not_found(exc):
-                return None, f"node {node_name} does not exist"
-            raise
-        return await self.resolver.instance_id(node)
+    async def _instance(self, node_name: str) -> str | None:
+        node = self.caches.nodes.get(None, node_name)
+        if node is None:
+            return None
+        found, _ = await self.resolver.instance_id(node)
+        return found
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -323,7 +567,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 def json_error_middleware() -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Unexpected errors answer 500 as JSON (the agent retries 5xx), never a traceback."""
+    """Every answer is JSON: an unknown path or method (404, 405) says so, and unexpected
+    errors answer 500 (the agent retries 5xx), never a traceback to the client."""
 
     @web.middleware
     async def middleware(
@@ -331,12 +576,24 @@ def json_error_middleware() -> Callable[..., Awaitable[web.StreamResponse]]:
     ) -> web.StreamResponse:
         try:
             return await handler(request)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            reason = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request")
+            _refusals_log.info(
+                reason, "refused %s %s: %s", request.method, request.path, exc.reason
+            )
+            return _json(exc.status, reason, f"{request.method} {request.path}: {exc.reason}")
+        except ApiError as exc:
+            log.warning("intake: the API server failed on %s: %s", request.path, exc)
+            return _json(
+                503,
+                "unavailable",
+                "the Kubernetes API server failed; try again",
+                **{"Retry-After": "1"},
+            )
         except Exception as exc:
             log.exception("intake error on %s", request.path)
-            return web.json_response(
-                {"error": "internal", "message": f"{type(exc).__name__}: try again"}, status=500
-            )
+            return _json(500, "internal", f"{type(exc).__name__}: try again")
 
     return middleware

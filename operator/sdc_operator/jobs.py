@@ -27,6 +27,7 @@ __all__ = [
     "is_kueue_managed",
     "is_suspended",
     "job_owner",
+    "pod_fits_job",
     "auto_resume_refusal",
     "checkpoint_patch",
     "newest_checkpoint",
@@ -55,6 +56,40 @@ def job_owner(pod: dict[str, Any]) -> dict[str, Any] | None:
     for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("controller") and (ref.get("apiVersion"), ref.get("kind")) in JOB_KINDS:
             return dict(ref)
+    return None
+
+
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+
+def pod_fits_job(pod: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """Why ``pod`` cannot be one the training operator made for ``job``, or ``None``.
+
+    Cheap, and independent of attestation. Kubeflow names a ``PyTorchJob``'s pods
+    ``<job>-<replica type>-<index>``, the index below that replica type's count, and labels
+    them with both: a pod that claims another type, an index past the count, or a name not
+    made that way is not one of them. (HyperPod's training operator does not document its
+    pod names, so a ``HyperPodPyTorchJob``'s pods are left to the attestation.)
+    """
+    specs = (job.get("spec") or {}).get(REPLICA_SPECS)
+    if job.get("kind") != "PyTorchJob" or not isinstance(specs, dict):
+        return None
+    meta = pod.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    job_name = str((job.get("metadata") or {}).get("name") or "")
+    ref = f"pod {meta.get('namespace')}/{name}"
+    if not name.startswith(job_name + "-"):
+        return f"{ref} is not named after its job {job_name} (<job>-<replica type>-<index>)"
+    counts = {str(k).lower(): int((v or {}).get("replicas", 1) or 0) for k, v in specs.items()}
+    kind, _, index = name[len(job_name) + 1 :].rpartition("-")
+    if kind not in counts or not index.isdigit() or int(index) >= counts[kind]:
+        replicas = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+        return f"{ref} is not one of {job_name}'s replicas ({replicas})"
+    labels = meta.get("labels") or {}
+    for label, want in ((REPLICA_TYPE_LABEL, kind), (REPLICA_INDEX_LABEL, index)):
+        if label in labels and str(labels[label]).lower() != want:
+            return f"{ref} has {label}={labels[label]}, but its name says {want}"
     return None
 
 

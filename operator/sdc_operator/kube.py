@@ -1,75 +1,362 @@
-"""The operator's calls to the Kubernetes API, async over the official (blocking) client.
+"""The operator's calls to the Kubernetes API: plain REST over aiohttp, objects as dicts.
 
-Each call runs in a worker thread; the event loop (kopf's, the intake's) never blocks.
-Objects come back as plain dicts, as the API server sends them, so the pure modules work
-on exactly what a ``kubectl get -o json`` shows.
+Each :class:`Kube` is one client with its own connection pool, so the parts of the
+operator never queue behind each other: the leader election renews its Lease on one,
+containment (suspend, quarantine, resume, remediate) runs on another, the intake's few
+calls (TokenReview, a pod the watch has not delivered yet) on a third, the incident
+records on a fourth, and the watches (:mod:`.informer`) on their own. No thread pool is
+involved, and a response is parsed on the event loop only when it is small (a large one,
+a page of a LIST, is parsed in a worker thread).
+
+Objects come back exactly as the API server sends them (what ``kubectl get -o json``
+shows), so the pure modules work on the same dicts in tests and in production. Credentials
+come from the official client's loaders (in-cluster ServiceAccount, else the kubeconfig),
+re-read through its refresh hook, so a rotated token is picked up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import secrets
-from collections.abc import Callable
-from typing import Any, TypeVar
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
 
-from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+import aiohttp
 
+from .errors import ApiError
 from .incidents import now_iso
 from .names import GROUP, INCIDENT_PLURAL, VERSION
+from .nodes import FIELD_MANAGER
 
-__all__ = ["ApiException", "Kube", "is_conflict", "is_not_found", "load_config"]
+__all__ = [
+    "COMPONENT",
+    "Endpoint",
+    "Kube",
+    "is_conflict",
+    "is_gone",
+    "is_not_found",
+    "object_path",
+]
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 COMPONENT = "hyperpod-sdc-operator"
-# The client would send a dict body as a JSON patch; every patch here is a merge patch.
 MERGE_PATCH = "application/merge-patch+json"
-
-
-def load_config() -> None:
-    """In-cluster credentials where they exist, else the kubeconfig (``KUBECONFIG``)."""
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+JSON_PATCH = "application/json-patch+json"
+INCIDENTS = f"{GROUP}/{VERSION}"
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+"""Responses larger than this (a page of a LIST) are parsed off the event loop."""
+_WATCH_LINE_LIMIT = 8 * 1024 * 1024
 
 
 def is_not_found(exc: BaseException) -> bool:
-    return isinstance(exc, ApiException) and exc.status == 404
+    return isinstance(exc, ApiError) and exc.status == 404
 
 
 def is_conflict(exc: BaseException) -> bool:
-    return isinstance(exc, ApiException) and exc.status == 409
+    return isinstance(exc, ApiError) and exc.status == 409
 
 
-def _split(api_version: str) -> tuple[str, str]:
-    group, _, version = api_version.rpartition("/")
-    return group, version
+def is_gone(exc: BaseException) -> bool:
+    """A watch or a LIST continue token older than what etcd keeps: list again."""
+    return isinstance(exc, ApiError) and exc.status == 410
+
+
+def object_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """``/api/v1/namespaces/ns/pods/name`` and the like (core group under ``/api``)."""
+    parts = ["/api/v1" if api_version == "v1" else f"/apis/{api_version}"]
+    if namespace:
+        parts += ["namespaces", quote(namespace, safe="")]
+    parts.append(plural)
+    if name:
+        parts.append(quote(name, safe=""))
+    if subresource:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+@dataclass
+class Endpoint:
+    """Where the API server is and how to prove who we are, from the official client's
+    configuration (:meth:`load`)."""
+
+    host: str
+    ssl_context: ssl.SSLContext | bool
+    configuration: Any = None
+    """A ``kubernetes.client.Configuration``: its refresh hook renews the token."""
+
+    @classmethod
+    def load(cls, kubeconfig: str | None = None) -> Endpoint:
+        """In-cluster credentials where they exist, else the kubeconfig (``kubeconfig``,
+        default ``KUBECONFIG``)."""
+        from kubernetes import client, config
+
+        try:
+            if kubeconfig:
+                raise config.ConfigException("a kubeconfig is given")
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"))
+        conf = client.Configuration.get_default_copy()
+        if conf.verify_ssl:
+            context = ssl.create_default_context(cafile=conf.ssl_ca_cert or None)
+        else:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if conf.cert_file:
+            context.load_cert_chain(conf.cert_file, conf.key_file)
+        return cls(conf.host.rstrip("/"), context, conf)
+
+    def headers(self) -> dict[str, str]:
+        conf = self.configuration
+        if conf is None:
+            return {}
+        headers = {}
+        # auth_settings() runs the client's refresh hook: a rotated token is picked up.
+        for setting in conf.auth_settings().values():
+            if setting.get("in") == "header" and setting.get("value"):
+                headers[str(setting["key"]).title()] = str(setting["value"])
+        return headers
 
 
 class Kube:
-    """What the operator reads and writes, and nothing more (the chart's ClusterRole
-    grants exactly these verbs)."""
+    """One API client with its own connection pool (``pool_size`` connections)."""
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
-        self.api = api_client or client.ApiClient()
-        self.core = client.CoreV1Api(self.api)
-        self.custom = client.CustomObjectsApi(self.api)
-        self.authn = client.AuthenticationV1Api(self.api)
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        name: str,
+        pool_size: int = 8,
+        timeout_seconds: float = 30.0,
+        metrics: Any = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.pool_size = pool_size
+        self.timeout = aiohttp.ClientTimeout(total=timeout_seconds, connect=10)
+        self.metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
 
-    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self.pool_size, ssl=self.endpoint.ssl_context, enable_cleanup_closed=True
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self.timeout, json_serialize=json.dumps
+            )
+        return self._session
 
-    async def _raw(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Call without the client's model classes: the JSON as the server sent it."""
-        response = await self._call(fn, *args, _preload_content=False, **kwargs)
+    def _count(self, verb: str, resource: str, code: int) -> None:
+        if self.metrics is not None:
+            self.metrics.api_requests.labels(self.name, verb, resource, str(code)).inc()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        resource: str,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        """One call; the JSON answer, or :class:`ApiError` (status 0: unreachable)."""
+        headers = self.endpoint.headers()
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type
+        headers["Accept"] = "application/json"
+        verb = method.lower()
+        if method in ("POST", "PUT", "PATCH"):
+            params = {**(params or {}), "fieldManager": FIELD_MANAGER}
         try:
-            return dict(json.loads(response.data))
-        finally:
-            response.release_conn()
+            async with self._http().request(
+                method, self.endpoint.host + path, params=params, data=data, headers=headers
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._count(verb, resource, 0)
+            raise ApiError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+        self._count(verb, resource, status)
+        parsed = await _parse(raw) if raw else {}
+        if status >= 400:
+            message = str(parsed.get("message") or raw[:300].decode("utf-8", "replace"))
+            raise ApiError(status, f"{method} {path}: {message}", parsed)
+        return parsed
 
-    # -- authentication ------------------------------------------------------------------
+    async def stream(
+        self, path: str, *, resource: str, params: Mapping[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events of a watch (``watch=1``), one dict per line, until the server ends
+        it; raises :class:`ApiError` for an answer that is not a stream."""
+        headers = {**self.endpoint.headers(), "Accept": "application/json"}
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=10, sock_read=float(params.get("timeoutSeconds", "300")) + 30
+        )
+        try:
+            async with self._http().get(
+                self.endpoint.host + path,
+                params={**params, "watch": "1"},
+                headers=headers,
+                timeout=timeout,
+            ) as response:
+                self._count("watch", resource, response.status)
+                if response.status >= 400:
+                    raw = await response.read()
+                    parsed = await _parse(raw) if raw else {}
+                    raise ApiError(
+                        response.status, f"watch {path}: {parsed.get('message', '')}", parsed
+                    )
+                buffer = b""
+                async for chunk in response.content.iter_any():
+                    buffer += chunk
+                    if len(buffer) > _WATCH_LINE_LIMIT:
+                        raise ApiError(0, f"watch {path}: an event over {_WATCH_LINE_LIMIT} bytes")
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield json.loads(line)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._count("watch", resource, 0)
+            raise ApiError(0, f"watch {path}: {type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- generic verbs -------------------------------------------------------------------
+
+    async def get(
+        self, api_version: str, plural: str, namespace: str | None, name: str
+    ) -> dict[str, Any]:
+        return await self.request(
+            "GET", object_path(api_version, plural, namespace, name), resource=plural
+        )
+
+    async def list_page(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
+        limit: int = 500,
+        continue_token: str = "",
+    ) -> dict[str, Any]:
+        """One page of a LIST (``items``, ``metadata.continue``, ``resourceVersion``)."""
+        params = {"limit": str(limit)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if continue_token:
+            params["continue"] = continue_token
+        return await self.request(
+            "GET", object_path(api_version, plural, namespace), resource=plural, params=params
+        )
+
+    async def list_all(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
+    ) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            page = await self.list_page(
+                api_version, plural, namespace, label_selector=label_selector, continue_token=token
+            )
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return items
+
+    async def create(
+        self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        return await self.request(
+            "POST", object_path(api_version, plural, namespace), resource=plural, body=body
+        )
+
+    async def replace(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        body: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        """PUT: fails with 409 if the object changed since ``body`` was read (its
+        ``metadata.resourceVersion`` is the precondition)."""
+        name = body["metadata"]["name"]
+        return await self.request(
+            "PUT",
+            object_path(api_version, plural, namespace, name, subresource),
+            resource=f"{plural}/{subresource}" if subresource else plural,
+            body=body,
+        )
+
+    async def patch(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        patch: Any,
+        *,
+        content_type: str = MERGE_PATCH,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        return await self.request(
+            "PATCH",
+            object_path(api_version, plural, namespace, name, subresource),
+            resource=plural,
+            body=patch,
+            content_type=content_type,
+        )
+
+    async def delete(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        *,
+        uid: str | None = None,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        """DELETE with preconditions: nothing is deleted if the object was replaced
+        (``uid``) or changed (``resource_version``) since it was read (409)."""
+        preconditions = {}
+        if uid:
+            preconditions["uid"] = uid
+        if resource_version:
+            preconditions["resourceVersion"] = resource_version
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions}
+        return await self.request(
+            "DELETE", object_path(api_version, plural, namespace, name), resource=plural, body=body
+        )
+
+    # -- what the operator uses ------------------------------------------------------------
 
     async def token_review(self, token: str, audience: str) -> dict[str, Any]:
         body = {
@@ -77,39 +364,24 @@ class Kube:
             "kind": "TokenReview",
             "spec": {"token": token, "audiences": [audience]},
         }
-        review = await self._raw(self.authn.create_token_review, body)
+        review = await self.create("authentication.k8s.io/v1", "tokenreviews", None, body)
         return dict(review.get("status") or {})
 
-    # -- pods, nodes ---------------------------------------------------------------------
-
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return await self._raw(self.core.read_namespaced_pod, name, namespace)
-
-    async def list_pods(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        pods = await self._raw(
-            self.core.list_namespaced_pod, namespace, label_selector=label_selector
-        )
-        return list(pods.get("items") or [])
+        return await self.get("v1", "pods", namespace, name)
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        return await self._raw(self.core.read_node, name)
+        return await self.get("v1", "nodes", None, name)
 
-    async def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self._raw(self.core.patch_node, name, patch, _content_type=MERGE_PATCH)
-
-    async def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
-        nodes = await self._raw(self.core.list_node, label_selector=label_selector)
-        return list(nodes.get("items") or [])
-
-    # -- custom objects (jobs, workloads, incidents) ----------------------------------------
+    async def patch_node(
+        self, name: str, patch: Any, content_type: str = MERGE_PATCH
+    ) -> dict[str, Any]:
+        return await self.patch("v1", "nodes", None, name, patch, content_type=content_type)
 
     async def get_object(
         self, api_version: str, plural: str, namespace: str, name: str
     ) -> dict[str, Any]:
-        group, version = _split(api_version)
-        return await self._raw(
-            self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
-        )
+        return await self.get(api_version, plural, namespace, name)
 
     async def list_objects(
         self,
@@ -118,77 +390,42 @@ class Kube:
         namespace: str | None = None,
         label_selector: str = "",
     ) -> list[dict[str, Any]]:
-        group, version = _split(api_version)
-        if namespace is None:
-            found = await self._raw(
-                self.custom.list_cluster_custom_object,
-                group,
-                version,
-                plural,
-                label_selector=label_selector,
-            )
-        else:
-            found = await self._raw(
-                self.custom.list_namespaced_custom_object,
-                group,
-                version,
-                namespace,
-                plural,
-                label_selector=label_selector,
-            )
-        return list(found.get("items") or [])
+        return await self.list_all(api_version, plural, namespace, label_selector=label_selector)
 
     async def patch_object(
         self, api_version: str, plural: str, namespace: str, name: str, patch: dict[str, Any]
     ) -> dict[str, Any]:
-        group, version = _split(api_version)
-        return await self._raw(
-            self.custom.patch_namespaced_custom_object,
-            group,
-            version,
-            namespace,
-            plural,
-            name,
-            patch,
-            _content_type=MERGE_PATCH,
-        )
+        return await self.patch(api_version, plural, namespace, name, patch)
 
     async def get_incident(self, namespace: str, name: str) -> dict[str, Any]:
-        return await self.get_object(f"{GROUP}/{VERSION}", INCIDENT_PLURAL, namespace, name)
+        return await self.get(INCIDENTS, INCIDENT_PLURAL, namespace, name)
 
     async def list_incidents(
         self, namespace: str | None = None, label_selector: str = ""
     ) -> list[dict[str, Any]]:
-        return await self.list_objects(
-            f"{GROUP}/{VERSION}", INCIDENT_PLURAL, namespace, label_selector
+        return await self.list_all(
+            INCIDENTS, INCIDENT_PLURAL, namespace, label_selector=label_selector
         )
 
     async def create_incident(self, body: dict[str, Any]) -> dict[str, Any]:
-        namespace = body["metadata"]["namespace"]
-        return await self._raw(
-            self.custom.create_namespaced_custom_object,
-            GROUP,
-            VERSION,
-            namespace,
-            INCIDENT_PLURAL,
-            body,
-        )
+        return await self.create(INCIDENTS, INCIDENT_PLURAL, body["metadata"]["namespace"], body)
 
     async def replace_incident_status(self, incident: dict[str, Any]) -> dict[str, Any]:
-        """Write ``incident["status"]``; fails with 409 if the object changed since it was
-        read (its ``resourceVersion`` travels with it)."""
-        meta = incident["metadata"]
-        return await self._raw(
-            self.custom.replace_namespaced_custom_object_status,
-            GROUP,
-            VERSION,
-            meta["namespace"],
-            INCIDENT_PLURAL,
-            meta["name"],
-            incident,
+        """Write ``incident["status"]``; 409 if the object changed since it was read."""
+        return await self.replace(
+            INCIDENTS, INCIDENT_PLURAL, incident["metadata"]["namespace"], incident, "status"
         )
 
-    # -- events --------------------------------------------------------------------------
+    async def delete_incident(self, incident: dict[str, Any]) -> dict[str, Any]:
+        meta = incident["metadata"]
+        return await self.delete(
+            INCIDENTS,
+            INCIDENT_PLURAL,
+            meta["namespace"],
+            meta["name"],
+            uid=meta.get("uid"),
+            resource_version=meta.get("resourceVersion"),
+        )
 
     async def emit_event(
         self, obj: dict[str, Any], reason: str, message: str, *, warning: bool = True
@@ -223,7 +460,15 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        await self._call(self.core.create_namespaced_event, namespace, body)
+        await self.create("v1", "events", namespace, body)
 
-    def close(self) -> None:
-        self.api.close()
+
+async def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        if len(raw) > _PARSE_IN_THREAD_BYTES:
+            value = await asyncio.to_thread(json.loads, raw)
+        else:
+            value = json.loads(raw)
+    except ValueError:
+        return {"message": raw[:300].decode("utf-8", "replace")}
+    return value if isinstance(value, dict) else {"items": value}

@@ -6,44 +6,136 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics"]
 
+_JOB = ["namespace", "job"]
+
 
 class Metrics:
     """One registry per operator (tests run several in one process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        r = self.registry = CollectorRegistry()
         self.reports = Counter(
             "hyperpod_sdc_reports",
             "Reports accepted, by kind and, for verdicts, classification.",
             ["kind", "verdict"],
-            registry=self.registry,
+            registry=r,
         )
         self.refusals = Counter(
-            "hyperpod_sdc_refusals",
-            "Reports refused, by reason.",
-            ["reason"],
-            registry=self.registry,
+            "hyperpod_sdc_refusals", "Reports refused, by reason.", ["reason"], registry=r
+        )
+        self.report_answers = Counter(
+            "hyperpod_sdc_verdict_answers",
+            "Verdicts answered from memory (nothing new) or after a status write.",
+            ["how"],
+            registry=r,
         )
         self.incidents = Counter(
             "hyperpod_sdc_incidents",
             "SDCIncidents created, by check and classification.",
             ["check", "classification"],
-            registry=self.registry,
+            registry=r,
+        )
+        self.held = Counter(
+            "hyperpod_sdc_held_incidents",
+            "Incidents that accuse hardware but act on nothing yet (Transient, AwaitingEvidence).",
+            ["phase"],
+            registry=r,
+        )
+        self.escalations = Counter(
+            "hyperpod_sdc_escalations",
+            "Held incidents contained after all, by reason (Repeated).",
+            ["reason"],
+            registry=r,
         )
         self.actions = Counter(
             "hyperpod_sdc_actions",
             "Containment actions, by action and result.",
             ["action", "result"],
-            registry=self.registry,
+            registry=r,
         )
         self.quarantined_nodes = Gauge(
             "hyperpod_sdc_quarantined_nodes",
             "Nodes carrying the hyperpod-sdc.dev/suspect label.",
-            registry=self.registry,
+            registry=r,
         )
         self.report_to_contained = Histogram(
             "hyperpod_sdc_report_to_contained_seconds",
             "From the report that completed agreement to the incident contained.",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            registry=self.registry,
+            registry=r,
+        )
+        self.api_requests = Counter(
+            "hyperpod_sdc_api_requests",
+            "Requests to the Kubernetes API server, by client, verb, resource and status code.",
+            ["client", "verb", "resource", "code"],
+            registry=r,
+        )
+        self.token_reviews = Counter(
+            "hyperpod_sdc_token_reviews",
+            "Token lookups by outcome: accepted and rejected are TokenReviews sent; cached, "
+            "shared (waited for a review in flight) and limited sent none.",
+            ["outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "hyperpod_sdc_reports_in_flight", "Reports being processed.", registry=r
+        )
+        self.leader = Gauge(
+            "hyperpod_sdc_leader", "1 on the replica that acts on the cluster, else 0.", registry=r
+        )
+        self.heartbeats = Counter(
+            "hyperpod_sdc_heartbeats", "Heartbeats accepted (no API call each).", registry=r
+        )
+        self.heartbeat_age = Gauge(
+            "hyperpod_sdc_heartbeat_age_seconds",
+            "Seconds since this replica last heard a heartbeat from the job.",
+            _JOB,
+            registry=r,
+        )
+        self.reporting_nodes = Gauge(
+            "hyperpod_sdc_reporting_nodes",
+            "Nodes of the job whose heartbeats this replica heard recently.",
+            _JOB,
+            registry=r,
+        )
+        self.silent_jobs = Gauge(
+            "hyperpod_sdc_silent_jobs",
+            "Running jobs whose agents sent heartbeats, then none for the silence period.",
+            registry=r,
+        )
+        self.clean_step_lag = Gauge(
+            "hyperpod_sdc_last_clean_step_lag_steps",
+            "Steps between the newest step and the last clean step (largest over the nodes).",
+            _JOB,
+            registry=r,
+        )
+        self.check_cost = Gauge(
+            "hyperpod_sdc_check_cost_ratio",
+            "Share of the heartbeat interval spent in each check (largest over the nodes).",
+            [*_JOB, "check"],
+            registry=r,
+        )
+        self.fingerprint_kernel = Gauge(
+            "hyperpod_sdc_fingerprint_kernel_nodes",
+            "Nodes running each fingerprint kernel (eager is the slow fallback).",
+            [*_JOB, "kernel"],
+            registry=r,
+        )
+        self.gradient_tolerance = Gauge(
+            "hyperpod_sdc_gradient_tolerance",
+            "The replay audit's gradient threshold in force (relative; 0: bit-reproducible).",
+            _JOB,
+            registry=r,
+        )
+        self.bit_reproducible = Gauge(
+            "hyperpod_sdc_bit_reproducible",
+            "1 when every reporting node found the job bit-reproducible, 0 when one did not.",
+            _JOB,
+            registry=r,
+        )
+        self.retention_deleted = Counter(
+            "hyperpod_sdc_incidents_deleted",
+            "Incidents deleted by retention, by why (closed, job_deleted).",
+            ["why"],
+            registry=r,
         )

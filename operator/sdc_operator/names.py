@@ -6,6 +6,8 @@ GROUP = "hyperpod-sdc.dev"
 VERSION = "v1alpha1"
 INCIDENT_KIND = "SDCIncident"
 INCIDENT_PLURAL = "sdcincidents"
+POLICY_KIND = "SDCPolicy"
+POLICY_PLURAL = "sdcpolicies"
 
 ENABLED_ANNOTATION = f"{GROUP}/enabled"
 SUSPECT_KEY = f"{GROUP}/suspect"

@@ -13,13 +13,18 @@ from typing import Any
 from .names import HYPERPOD_HEALTH_LABEL, INCIDENT_ANNOTATION, PRIOR_CORDON_ANNOTATION, SUSPECT_KEY
 
 __all__ = [
+    "FIELD_MANAGER",
+    "cordoned_by_others",
     "health_label_patch",
     "instance_id_from_node_name",
     "instance_id_from_provider_id",
+    "is_quarantined_for",
     "quarantine_patch",
     "release_patch",
 ]
 
+FIELD_MANAGER = "hyperpod-sdc"
+"""The field manager of the operator's node writes (``metadata.managedFields``)."""
 _INSTANCE = re.compile(r"^i-[0-9a-f]{8}(?:[0-9a-f]{9})?$")
 SUSPECT_TAINT = {"key": SUSPECT_KEY, "value": "true", "effect": "NoSchedule"}
 
@@ -45,8 +50,10 @@ def quarantine_patch(node: dict[str, Any], incident: str) -> dict[str, Any] | No
     ``incident`` (``<namespace>/<name>``), or ``None`` when it already is: idempotent.
 
     The taint list is replaced whole (a merge patch cannot append), so the patch carries
-    the node's other taints unchanged. A node that was cordoned already is annotated so,
-    and :func:`release_patch` leaves it cordoned.
+    the node's other taints as read, and the read's ``resourceVersion`` as a precondition:
+    if anyone changed the node since (another controller's taint, a cordon), the API
+    server refuses the patch (409) and the caller reads the node again. A node that was
+    cordoned already is annotated so, and :func:`release_patch` leaves it cordoned.
     """
     spec = node.get("spec") or {}
     meta = node.get("metadata") or {}
@@ -63,15 +70,35 @@ def quarantine_patch(node: dict[str, Any], incident: str) -> dict[str, Any] | No
     new_annotations: dict[str, Any] = {INCIDENT_ANNOTATION: incident}
     if spec.get("unschedulable") is True and not (labelled or INCIDENT_ANNOTATION in annotations):
         new_annotations[PRIOR_CORDON_ANNOTATION] = "true"
-    return {
-        "metadata": {"labels": {SUSPECT_KEY: "true"}, "annotations": new_annotations},
-        "spec": {"unschedulable": True, "taints": taints},
-    }
+    patch_meta: dict[str, Any] = {"labels": {SUSPECT_KEY: "true"}, "annotations": new_annotations}
+    if meta.get("resourceVersion"):
+        patch_meta["resourceVersion"] = meta["resourceVersion"]
+    return {"metadata": patch_meta, "spec": {"unschedulable": True, "taints": taints}}
+
+
+def is_quarantined_for(node: dict[str, Any], incident: str) -> bool:
+    """Cordoned, tainted, labelled and annotated for ``incident``: a quarantine that took
+    effect (what a restart checks before quarantining again)."""
+    return quarantine_patch(node, incident) is None
+
+
+def cordoned_by_others(node: dict[str, Any]) -> bool:
+    """Someone other than the operator set ``spec.unschedulable`` last (the node's
+    ``managedFields``): a cordon that a release must keep."""
+    for entry in (node.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == FIELD_MANAGER:
+            continue
+        fields = ((entry.get("fieldsV1") or {}).get("f:spec")) or {}
+        if "f:unschedulable" in fields:
+            return True
+    return False
 
 
 def release_patch(node: dict[str, Any]) -> dict[str, Any] | None:
-    """Undo :func:`quarantine_patch` (after review found a false alarm), or ``None``: the
-    node is left as it was before, cordoned only if it was cordoned then."""
+    """Undo :func:`quarantine_patch` (after review found a false alarm), or ``None``: only
+    what the operator added goes (its taint, label and annotations; other taints stay, as
+    read, under the read's ``resourceVersion``), and the node is uncordoned only if it was
+    not cordoned before the quarantine and nobody else cordoned it since."""
     spec = node.get("spec") or {}
     meta = node.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -83,14 +110,17 @@ def release_patch(node: dict[str, Any]) -> dict[str, Any] | None:
     )
     if not quarantined:
         return None
-    was_cordoned = annotations.get(PRIOR_CORDON_ANNOTATION) == "true"
-    return {
-        "metadata": {
-            "labels": {SUSPECT_KEY: None},
-            "annotations": {INCIDENT_ANNOTATION: None, PRIOR_CORDON_ANNOTATION: None},
-        },
-        "spec": {"unschedulable": True if was_cordoned else None, "taints": taints or None},
+    keep_cordon = annotations.get(PRIOR_CORDON_ANNOTATION) == "true" or cordoned_by_others(node)
+    patch_meta: dict[str, Any] = {
+        "labels": {SUSPECT_KEY: None},
+        "annotations": {INCIDENT_ANNOTATION: None, PRIOR_CORDON_ANNOTATION: None},
     }
+    if meta.get("resourceVersion"):
+        patch_meta["resourceVersion"] = meta["resourceVersion"]
+    patch_spec: dict[str, Any] = {"taints": taints or None}
+    if spec.get("unschedulable") is True and not keep_cordon:
+        patch_spec["unschedulable"] = None
+    return {"metadata": patch_meta, "spec": patch_spec}
 
 
 HEALTH_LABEL_VALUES = {

@@ -1,14 +1,40 @@
-"""Per-job token buckets: a flood from one job is refused (429) without slowing others."""
+"""Token buckets: per job, per client address, and one for TokenReviews, so a flood from
+one source is refused (429) without slowing the others."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-__all__ = ["RateLimiter"]
+__all__ = ["RateLimiter", "TokenBucket"]
+
+
+class TokenBucket:
+    """One bucket: ``burst`` requests at once, refilled at ``rate`` per second."""
+
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+
+    def acquire(self) -> float | None:
+        """Take one token: ``None`` if granted, else seconds until one is."""
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return None
+        return (1.0 - self._tokens) / self.rate
 
 
 class RateLimiter:
+    """A bucket per key (a job's uid, a client's address)."""
+
     def __init__(
         self,
         rate: float,
@@ -42,4 +68,6 @@ class RateLimiter:
                 if t + (now - last) * self.rate >= self.burst
             ]:
                 del self._buckets[k]
+            if len(self._buckets) >= self._max_keys:  # all busy: forget the oldest
+                del self._buckets[next(iter(self._buckets))]
         self._buckets[key] = (tokens, now)

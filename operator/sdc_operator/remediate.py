@@ -1,20 +1,40 @@
 """Node remediation through SageMaker HyperPod: BatchRebootClusterNodes and
-BatchReplaceClusterNodes (boto3 ``sagemaker``), one node per call.
+BatchReplaceClusterNodes (boto3 ``sagemaker``), one node per call, and DescribeClusterNode
+to find out, after a restart, whether a call that may have been made took effect.
 
 A per-node failure in the response (``Failed[]``) is a failed action: the engine records it
 and retries with back-off. The endpoint is boto3's: set ``AWS_ENDPOINT_URL_SAGEMAKER`` for a
-VPC endpoint.
+VPC endpoint. boto3 blocks, so each call runs on this module's own small thread pool, never
+the one the rest of the process might share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HyperPodNodes"]
+__all__ = ["HyperPodNodes", "took_effect"]
 
 _OPERATIONS = {"reboot": "batch_reboot_cluster_nodes", "replace": "batch_replace_cluster_nodes"}
+_STILL_RUNNING = frozenset({"Running"})
+
+
+def took_effect(action: str, described: dict[str, Any] | None) -> bool | None:
+    """Whether a ``reboot`` or ``replace`` of the node ``described`` (DescribeClusterNode's
+    ``NodeDetails``; ``None``: the instance is gone) has taken effect: ``True``, or
+    ``None`` when it cannot be told yet (the instance still ``Running``).
+
+    A replaced instance shuts down and disappears; a rebooting one leaves ``Running`` for a
+    while. Any status but ``Running`` counts as the request having reached HyperPod.
+    """
+    if described is None:
+        return True
+    status = ((described.get("InstanceStatus") or {}).get("Status")) or ""
+    if status in _STILL_RUNNING:
+        return None
+    return True
 
 
 class HyperPodNodes:
@@ -22,15 +42,40 @@ class HyperPodNodes:
         """``sagemaker`` builds a boto3 SageMaker client; called once, lazily."""
         self._make_client = sagemaker
         self._client: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sagemaker")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _sm(self) -> Any:
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
 
     async def remediate(self, action: str, cluster: str, instance_id: str) -> tuple[bool, str]:
         """``(succeeded, message)`` for ``reboot`` or ``replace`` of one node."""
-        return await asyncio.to_thread(self._call, action, cluster, instance_id)
+        result: tuple[bool, str] = await self._run(self._call, action, cluster, instance_id)
+        return result
+
+    async def describe(self, cluster: str, instance_id: str) -> dict[str, Any] | None:
+        """DescribeClusterNode's ``NodeDetails``, ``None`` if the instance is not found;
+        raises on any other error."""
+        found: dict[str, Any] | None = await self._run(self._describe, cluster, instance_id)
+        return found
+
+    def _describe(self, cluster: str, instance_id: str) -> dict[str, Any] | None:
+        client = self._sm()
+        try:
+            response = client.describe_cluster_node(ClusterName=cluster, NodeId=instance_id)
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+            if code in ("ResourceNotFound", "ResourceNotFoundException"):
+                return None
+            raise
+        return dict(response.get("NodeDetails") or {})
 
     def _call(self, action: str, cluster: str, instance_id: str) -> tuple[bool, str]:
-        if self._client is None:
-            self._client = self._make_client()
-        operation = getattr(self._client, _OPERATIONS[action])
+        operation = getattr(self._sm(), _OPERATIONS[action])
         name = "Batch" + action.capitalize() + "ClusterNodes"
         try:
             response = operation(ClusterName=cluster, NodeIds=[instance_id])
@@ -45,3 +90,6 @@ class HyperPodNodes:
         if instance_id in (response.get("Successful") or []):
             return True, f"{name}({cluster}) accepted {instance_id}"
         return False, f"{name}({cluster}) did not mention {instance_id}: {response}"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

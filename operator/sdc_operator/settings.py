@@ -7,6 +7,7 @@ off, agreement of two nodes before any node is quarantined.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 AUTH_MODES = ("tokenreview", "static")
+_SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 REMEDIATION_POLICIES = ("manual", "auto-reboot", "auto-replace")
 REMEDIATION_METHODS = ("api", "label")
 
@@ -47,17 +49,20 @@ class OperatorSettings:
     """The audience the pods' projected tokens must carry (TokenReview's ``audiences``)."""
     static_tokens_file: str | None = None
     """``static`` mode: one ``<token> <namespace>/<pod>`` per line."""
-    token_cache_seconds: float = 30.0
-    """How long a successful token review is reused; 0 reviews every report."""
+    token_cache_seconds: float = 300.0
+    """How long a successful token review is reused (never past the token's own expiry);
+    0 reviews every report. Safe to keep long: the pod is looked up on every report, so a
+    token whose pod is gone is refused however long its review is cached."""
     max_body_bytes: int = MAX_REPORT_BYTES
     """Largest accepted report body, at most the protocol's limit (64 KiB)."""
     max_report_age_seconds: float = 3600.0
     """Reports sent (``sent_at``) longer ago than this are refused as stale."""
-    rate_per_job: float = 20.0
+    rate_per_job: float = 100.0
     """Reports per second one job may send on average (a token bucket per job)."""
-    rate_burst: int = 400
-    """Size of that bucket: how many reports a job may send at once (every node sends the
-    same verdict, so keep it above the number of nodes of the largest job)."""
+    rate_burst: int = 5000
+    """Size of that bucket: how many reports a job may send at once (every node sends its
+    heartbeat at about the same step, and old agents every verdict, so keep it above twice
+    the number of nodes of the largest job)."""
     agreement_nodes: int = 2
     """Distinct nodes whose verdicts must name the same suspects before a node is
     quarantined. 1 lets a single node's report quarantine (not recommended)."""
@@ -93,7 +98,77 @@ class OperatorSettings:
     resync_seconds: float = 10.0
     """How often unfinished incidents are driven again (after an error or a restart)."""
     namespaces: tuple[str, ...] = ()
-    """Namespaces to watch (comma-separated); empty: the whole cluster."""
+    """Namespaces to watch (comma-separated); empty: the whole cluster. Which namespaces
+    may report at all is the cluster admin's ``SDCPolicy``, not this setting."""
+    operator_namespace: str = ""
+    """The operator's own namespace (its Lease and attestation key Secret live there);
+    empty: the pod's namespace (its ServiceAccount's), else ``hyperpod-sdc``."""
+    pod_name: str = ""
+    """This replica's name in the leader election (the chart sets the pod's name); empty:
+    ``<hostname>-<pid>``."""
+    leader_election: bool = True
+    """Elect one acting replica with a ``coordination.k8s.io/v1`` Lease. Every replica
+    serves the intake and records reports; only the leader acts on the cluster."""
+    lease_name: str = "hyperpod-sdc-leader"
+    """Name of that Lease in the operator's namespace."""
+    lease_seconds: float = 8.0
+    """How long a leader's Lease lasts without renewal: a standby takes over at most this
+    long (plus two retries of ``lease_seconds / 5``) after the leader dies: 11 s by default."""
+    attestation_secret: str = "hyperpod-sdc-attestation"
+    """Secret (key ``key``) in the operator's namespace holding the 32-byte key of the pod
+    attestations; created by the first replica that finds it missing."""
+    require_attestation: bool = True
+    """Accept reports (and suspects) only from pods the admission webhook attested as made
+    by a trusted pod creator. ``false`` only for clusters that run without the webhook: any
+    user who may create pods in an admitted namespace can then point one at a job."""
+    trusted_pod_creators: tuple[str, ...] = (
+        "system:serviceaccount:kubeflow:training-operator",
+        "system:serviceaccount:kubeflow:pytorch-operator",
+        "system:serviceaccount:aws-hyperpod:hp-training-operator-controller-manager",
+    )
+    """Users (comma-separated) whose pods count as a training operator's: Kubeflow's
+    training operator, its older PyTorch operator, and HyperPod's training operator."""
+    max_clock_skew_seconds: float = 300.0
+    """Reports sent (``sent_at``) further in the future than this are refused."""
+    header_timeout_seconds: float = 10.0
+    """A connection whose request headers are not complete this long after it opened
+    (or after its previous answer) is closed."""
+    body_timeout_seconds: float = 10.0
+    """A request whose body is not complete this long after its headers is answered 408."""
+    rate_per_source: float = 50.0
+    """Requests per second one client address may send on average, checked before any
+    API call (a token bucket per address)."""
+    rate_source_burst: int = 200
+    """Size of that bucket."""
+    token_reviews_per_second: float = 200.0
+    """TokenReviews per second for tokens not in the cache, cluster-wide: past it a report
+    with an unknown token is answered 429, so a flood of bogus tokens costs the API server
+    a bounded load."""
+    token_review_burst: int = 2500
+    """How many TokenReviews of new tokens may be sent at once (the size of that bucket):
+    keep it above the node count of the largest job, whose agents all report for the first
+    time at about the same moment."""
+    negative_token_cache_seconds: float = 60.0
+    """How long a token the API server rejected is rejected without asking again."""
+    max_in_flight: int = 4096
+    """Reports processed at once; past it new ones get 503 and are retried by the agent.
+    Bounds memory: each holds at most one body of ``max_body_bytes``."""
+    repeat_count: int = 2
+    """A transient or uncorroborated verdict quarantines nothing until the same node of
+    the same job was caught this many times (this incident included) ..."""
+    repeat_window_steps: int = 1000
+    """... within this many training steps."""
+    heartbeat_silence_seconds: float = 600.0
+    """A job whose agents sent heartbeats and then none for this long (or for three of
+    their own intervals, if longer) gets an Event ``SDCAgentsSilent`` and counts in
+    ``hyperpod_sdc_silent_jobs``."""
+    incident_retention_days: float = 30.0
+    """Closed incidents (nothing left to do, no node held) are deleted this many days after
+    their last change; so are incidents of deleted jobs. 0 keeps them forever."""
+    remediation_verify_seconds: float = 60.0
+    """After a restart that finds a reboot or replace whose call may or may not have
+    reached SageMaker, how long to keep asking ``DescribeClusterNode`` for its effect
+    before calling again."""
 
     def __post_init__(self) -> None:
         def bad(name: str, problem: str) -> ConfigError:
@@ -122,6 +197,12 @@ class OperatorSettings:
             )
         if self.auth_mode == "static" and not self.static_tokens_file:
             raise bad("static_tokens_file", "is required when the auth mode is static")
+        if self.require_attestation and not self.trusted_pod_creators:
+            raise bad(
+                "trusted_pod_creators", "must name at least one user when attestation is required"
+            )
+        if self.lease_seconds < 2:
+            raise bad("lease_seconds", f"must be >= 2, got {self.lease_seconds}")
         if not self.token_audience:
             raise bad("token_audience", "must not be empty")
         if not 1 <= self.max_body_bytes <= MAX_REPORT_BYTES:
@@ -129,7 +210,14 @@ class OperatorSettings:
                 "max_body_bytes",
                 f"must be between 1 and {MAX_REPORT_BYTES}, got {self.max_body_bytes}",
             )
-        for name in ("token_cache_seconds", "max_report_age_seconds"):
+        for name in (
+            "token_cache_seconds",
+            "max_report_age_seconds",
+            "max_clock_skew_seconds",
+            "negative_token_cache_seconds",
+            "incident_retention_days",
+            "remediation_verify_seconds",
+        ):
             if getattr(self, name) < 0:
                 raise bad(name, f"must be >= 0, got {getattr(self, name)}")
         for name in (
@@ -137,6 +225,12 @@ class OperatorSettings:
             "resync_seconds",
             "max_report_age_seconds",
             "remediation_backoff_seconds",
+            "lease_seconds",
+            "header_timeout_seconds",
+            "body_timeout_seconds",
+            "rate_per_source",
+            "token_reviews_per_second",
+            "heartbeat_silence_seconds",
         ):
             if getattr(self, name) <= 0:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
@@ -145,9 +239,31 @@ class OperatorSettings:
             "agreement_nodes",
             "max_quarantined_per_job",
             "storm_suspect_nodes",
+            "rate_source_burst",
+            "token_review_burst",
+            "max_in_flight",
+            "repeat_count",
+            "repeat_window_steps",
         ):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def namespace(self) -> str:
+        """The operator's own namespace (see ``operator_namespace``)."""
+        if self.operator_namespace:
+            return self.operator_namespace
+        try:
+            with open(_SA_NAMESPACE_FILE, encoding="utf-8") as f:
+                found = f.read().strip()
+        except OSError:
+            found = ""
+        return found or "hyperpod-sdc"
+
+    @property
+    def identity(self) -> str:
+        """This replica's name in the leader election."""
+        return self.pod_name or f"{socket.gethostname()}-{os.getpid()}"
 
     def quarantine_cap(self, total_nodes: int) -> int:
         """The cluster-wide cap for a cluster of ``total_nodes``."""

@@ -103,11 +103,12 @@ class GuardConfig:
     triples the check's cost with Adam."""
 
     fingerprint_backend: str = "auto"
-    """``auto`` (a kernel fused by ``torch.compile``, falling back to eager with a warning
-    where compiling fails), ``compile`` or ``eager`` (env
-    ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints; compiling
-    costs seconds once per process at start-up, eager is about ten times slower per
-    byte. Tests and the demo use ``eager``: their models are tiny."""
+    """``auto`` (a built kernel: portable C on CPU, ``torch.compile`` on CUDA; eager, with
+    a WARNING log line, where building fails), ``compile`` (raise instead) or ``eager``
+    (env ``HYPERPOD_SDC_FINGERPRINT_BACKEND``). All give identical fingerprints; building
+    costs a fraction of a second (CPU) or seconds (CUDA) once per process, eager is three
+    to five times slower per byte on CPU. Tests and the demo use ``eager``: their models
+    are tiny."""
 
     replay_every: int = 50
     """Check 2: every this many steps each rank recomputes a partner's micro-batch on

@@ -3,13 +3,19 @@
 :meth:`Reporter.submit` only appends to a bounded in-memory queue. A daemon thread posts
 the reports, oldest first with verdicts ahead of everything else, and retries transient
 failures (connection errors, timeouts, HTTP 408, 429 and 5xx) with exponential back-off
-and full jitter. A report the operator refuses (any other 4xx) is logged and dropped: it
-will not get better by retrying. When the queue is full the oldest heartbeat goes first,
-then the oldest checkpoint record; verdicts are never dropped.
+and full jitter. A report the operator refuses (any other 4xx: 400, 401, 403, 413, 422, ...)
+is not retried, since it will not get better; it is logged at ERROR every time and counted
+(:meth:`Reporter.counters`). A refused verdict counts as undelivered for ever: once it is
+older than the deadline, :meth:`Reporter.verdict_overdue` says so and
+``unreachable_policy="stop"`` stops training, as it does when the operator cannot be
+reached. When the queue is full the oldest heartbeat goes first, then the oldest checkpoint
+record; verdicts are never dropped.
 
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
-rotated token is picked up. TLS: the system trust store, or ``ca_bundle``.
+rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
+again when the file changes (its modification time, size or inode: the kubelet updates a
+mounted ConfigMap by swapping a symlink), so a rotated CA does not break delivery.
 """
 
 from __future__ import annotations
@@ -129,10 +135,17 @@ class Reporter:
         self._attempt = 0  # consecutive failed attempts: the back-off grows with them
         self._token: str | None = None
         self._token_stamp: tuple[float, int] | None = None
-        self._ssl = ssl.create_default_context(cafile=config.ca_bundle)
+        self._ssl_stamp: tuple[int, int, int, int] | None = None
+        self._ssl = self._tls_context(initial=True)
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
+        self.refused_verdicts = 0
+        self.refusals: dict[int, int] = {}
+        """Refused reports by the operator's HTTP status."""
+        self._undeliverable_since: float | None = None
+        """When the oldest verdict that will never be delivered (refused, or that could not
+        be sent) was submitted."""
         self._thread = threading.Thread(target=self._run, name="sdc-reporter", daemon=True)
         self._thread.start()
 
@@ -164,12 +177,27 @@ class Reporter:
                     return
 
     def verdict_overdue(self, deadline_seconds: float) -> bool:
-        """An undelivered verdict has waited longer than ``deadline_seconds``."""
+        """An undelivered verdict has waited longer than ``deadline_seconds``: one still
+        queued or in flight, or one the operator refused (it will never be delivered)."""
         with self._cond:
             waiting = [t for t, _ in self._verdicts]
             if self._in_flight is not None and isinstance(self._in_flight[1], VerdictReport):
                 waiting.append(self._in_flight[0])
+            if self._undeliverable_since is not None:
+                waiting.append(self._undeliverable_since)
         return bool(waiting) and time.monotonic() - min(waiting) > deadline_seconds
+
+    def counters(self) -> dict[str, object]:
+        """What happened to the reports so far (for the Guard's metrics and logs)."""
+        with self._cond:
+            return {
+                "delivered": self.delivered,
+                "dropped": self.dropped,
+                "refused": self.refused,
+                "refused_verdicts": self.refused_verdicts,
+                "refusals": dict(self.refusals),
+                "undeliverable_verdict": self._undeliverable_since is not None,
+            }
 
     def pending(self) -> int:
         with self._cond:
@@ -214,7 +242,7 @@ class Reporter:
 
     def _run(self) -> None:
         while (entry := self._next()) is not None:
-            _, report = entry
+            submitted, report = entry
             try:
                 outcome = self._send(report)
             except Exception:  # never let one report kill the thread
@@ -222,6 +250,8 @@ class Reporter:
                 outcome = "dropped"
             with self._cond:
                 self._in_flight = None
+                if outcome in ("refused", "dropped") and isinstance(report, VerdictReport):
+                    self._undeliverable(submitted)
                 if outcome == "retry":
                     # Back in front of its queue: the next pick takes verdicts first.
                     queue = self._verdicts if isinstance(report, VerdictReport) else self._others
@@ -242,6 +272,34 @@ class Reporter:
                 if self._stop.wait(random.uniform(0, backoff)):  # full jitter; close() ends it
                     return
 
+    def _undeliverable(self, submitted: float) -> None:
+        """A verdict that will never be delivered (called with the lock held)."""
+        if self._undeliverable_since is None or submitted < self._undeliverable_since:
+            self._undeliverable_since = submitted
+
+    def _refused(self, report: Report, status: int, detail: str) -> str:
+        """Count and log a refusal (every time: each one is a report the operator will
+        never act on)."""
+        with self._cond:
+            self.refused += 1
+            self.refusals[status] = self.refusals.get(status, 0) + 1
+            if isinstance(report, VerdictReport):
+                self.refused_verdicts += 1
+        if isinstance(report, VerdictReport):
+            log.error(
+                "sdc_agent: the operator REFUSED a verdict (HTTP %d) for step %d; it will not "
+                "be acted on, and counts as undelivered (unreachable_policy=stop stops "
+                "training once it is overdue): %s",
+                status,
+                report.step,
+                detail,
+            )
+        else:
+            log.error(
+                "sdc_agent: operator refused a %s report (%d): %s", report.kind, status, detail
+            )
+        return "refused"
+
     def _bearer(self) -> str | None:
         path = self.config.token_file
         if path is None:
@@ -257,6 +315,36 @@ class Reporter:
             log.warning("sdc_agent: cannot read token file %s: %s", path, exc)
         return self._token
 
+    def _current_tls(self) -> ssl.SSLContext:
+        self._ssl = self._tls_context()
+        return self._ssl
+
+    def _tls_context(self, initial: bool = False) -> ssl.SSLContext:
+        """The TLS context, built again when the CA bundle file changed. A bundle that
+        cannot be read later (mid-rotation) keeps the context in use; at start it fails."""
+        path = self.config.ca_bundle
+        if path is None:
+            return self._ssl if not initial else ssl.create_default_context()
+        stamp = None
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+            if not initial and stamp == self._ssl_stamp:
+                return self._ssl
+            context = ssl.create_default_context(cafile=path)
+        except (OSError, ssl.SSLError) as exc:
+            if initial:
+                raise
+            self._ssl_stamp = stamp  # said once per version of the file
+            log.warning(
+                "sdc_agent: cannot read the CA bundle %s again, keeping the last: %s", path, exc
+            )
+            return self._ssl
+        if not initial:
+            log.info("sdc_agent: the CA bundle %s changed; using it from now on", path)
+        self._ssl_stamp = stamp
+        return context
+
     def _send(self, report: Report) -> str:
         """``delivered``, ``refused`` (do not retry) or ``retry``."""
         body = encode_report(report)
@@ -268,7 +356,7 @@ class Reporter:
             with urllib.request.urlopen(
                 request,
                 timeout=self.config.timeout_seconds,
-                context=self._ssl if self.url.startswith("https") else None,
+                context=self._current_tls() if self.url.startswith("https") else None,
             ) as response:
                 response.read()
             return "delivered"
@@ -277,11 +365,7 @@ class Reporter:
             if exc.code in (408, 429) or exc.code >= 500:
                 log.info("sdc_agent: operator answered %d, will retry: %s", exc.code, detail)
                 return "retry"
-            self.refused += 1
-            log.error(
-                "sdc_agent: operator refused a %s report (%d): %s", report.kind, exc.code, detail
-            )
-            return "refused"
+            return self._refused(report, exc.code, detail)
         except (OSError, TimeoutError, http.client.HTTPException) as exc:
             # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)

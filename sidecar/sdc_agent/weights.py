@@ -13,7 +13,7 @@ from torch import nn
 
 from .fingerprint import Fingerprinter, format_fingerprint
 
-__all__ = ["MajoritySplit", "WeightFingerprints", "split_majority"]
+__all__ = ["MajoritySplit", "PendingComparison", "WeightFingerprints", "split_majority"]
 
 # Per-rank fingerprints go into the evidence up to this world size; beyond, only groups.
 _EVIDENCE_MAX_RANKS = 64
@@ -107,25 +107,27 @@ class WeightFingerprints:
         """All-gather the combined fingerprint; on a mismatch find which tensors differ.
 
         A collective: every rank of ``group`` must call it at the same step. Returns the
-        split (``None`` when every replica agrees) and evidence for a verdict.
+        split (``None`` when every replica agrees) and evidence for a verdict. The same as
+        ``self.start(group, device).finish()``.
+        """
+        return self.start(group, device).finish()
+
+    def start(self, group: dist.ProcessGroup | None, device: torch.device) -> PendingComparison:
+        """Fingerprint every tensor now and start the all-gather without waiting for it.
+
+        The fingerprints are of the tensors as they are at this call; the training loop may
+        go on (the next forward pass) while the words travel, and call
+        :meth:`PendingComparison.finish` later, on every rank at the same point.
         """
         names, tensors = self.tensors()
+        # One pass per device over every tensor (Fingerprinter.many), nothing copied to the
+        # host until finish() reads the gathered words: one host sync per check.
         combined, per_tensor = self.fingerprinter.many(tensors)
         world = dist.get_world_size(group)
         mine = combined.to(device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=group)
-        rows = [tuple(g.tolist()) for g in gathered]
-        split = split_majority(rows)
-        if split is None:
-            return None, {}
-        evidence: dict[str, object] = {
-            "groups": sorted(Counter(format_fingerprint(r) for r in rows).values(), reverse=True),
-        }
-        if world <= _EVIDENCE_MAX_RANKS:
-            evidence["fingerprints"] = [format_fingerprint(r) for r in rows]
-        evidence["differing_tensors"] = self._differing(split, names, per_tensor, group, device)
-        return split, evidence
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        return PendingComparison(self, group, device, names, per_tensor, gathered, work)
 
     def _differing(
         self,
@@ -145,7 +147,7 @@ class WeightFingerprints:
         count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(world)]
         dist.all_gather(counts, count, group=group)
-        if len({int(c.item()) for c in counts}) > 1:
+        if len(set(torch.cat(counts).tolist())) > 1:
             return {}
         reference = per_tensor.to(device).clone()
         dist.broadcast(
@@ -159,3 +161,48 @@ class WeightFingerprints:
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
         return {str(r): [names[i] for i in gathered[r].tolist() if i >= 0] for r in split.suspects}
+
+
+class PendingComparison:
+    """A check-3 comparison whose all-gather is in flight (:meth:`WeightFingerprints.start`)."""
+
+    def __init__(
+        self,
+        weights: WeightFingerprints,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        names: list[str],
+        per_tensor: torch.Tensor,
+        gathered: list[torch.Tensor],
+        work: dist.Work | None,
+    ) -> None:
+        self._weights = weights
+        self._group = group
+        self._device = device
+        self._names = names
+        self._per_tensor = per_tensor
+        self._gathered = gathered
+        self._work = work
+
+    def finish(self) -> tuple[MajoritySplit | None, dict[str, object]]:
+        """Wait for the words; the split (``None``: every replica agrees) and evidence.
+
+        A collective on a mismatch (the tensor-by-tensor comparison): every rank of the
+        group must call it at the same point.
+        """
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        rows = [tuple(r) for r in torch.stack(self._gathered).tolist()]
+        split = split_majority(rows)
+        if split is None:
+            return None, {}
+        evidence: dict[str, object] = {
+            "groups": sorted(Counter(format_fingerprint(r) for r in rows).values(), reverse=True),
+        }
+        if len(rows) <= _EVIDENCE_MAX_RANKS:
+            evidence["fingerprints"] = [format_fingerprint(r) for r in rows]
+        evidence["differing_tensors"] = self._weights._differing(
+            split, self._names, self._per_tensor, self._group, self._device
+        )
+        return split, evidence

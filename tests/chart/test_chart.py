@@ -16,13 +16,35 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "hyperpod-sdc"
 ALL_ON: dict[str, Any] = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-    "networkPolicy": {"enabled": True, "namespaceSelector": {"matchLabels": {"team": "ml"}}},
-    "tls": {"caNamespaces": ["ml", "research"]},
+    "networkPolicy": {
+        "enabled": True,
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+        "webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/16"}}],
+    },
+    "webhook": {
+        "failurePolicy": "Fail",
+        "containers": ["pytorch"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+    },
     "operator": {"namespaces": ["ml"], "dryRun": True, "clusterName": "ml-cluster"},
     "serviceAccount": {
         "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/sdc"}
     },
+    "policy": {
+        "create": True,
+        "name": "ml-teams",
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+    },
 }
+
+
+TEST_CA = (
+    "-----BEGIN CERTIFICATE-----\n"
+    "MIIBdzCCAR2gAwIBAgIUZm9yIHRlc3RzIG9ubHkgMDAwMDAwMAoGCCqGSM49BAMC\n"
+    "-----END CERTIFICATE-----\n"
+)
+CERT_MANAGER: dict[str, Any] = {"certManager": {"enabled": True}}
 
 
 def render(
@@ -94,13 +116,25 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "MutatingWebhookConfiguration",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
         "Secret",
         "Service",
         "ServiceAccount",
     ]
     (deploy,) = by_kind(docs, "Deployment")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # two replicas, and an update that never leaves none serving
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -119,7 +153,20 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
     (role,) = by_kind(docs, "ClusterRole")
     for rule in role["rules"]:
         assert "secrets" not in rule["resources"] and "*" not in rule["resources"] + rule["verbs"]
-        assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
+        assert "deletecollection" not in rule["verbs"]
+        if "configmaps" in rule["resources"] and rule["verbs"] != ["create"]:
+            assert rule["resourceNames"] == ["hyperpod-sdc-ca"]
+        if "delete" in rule["verbs"]:  # retention deletes its own incidents, nothing else
+            assert rule["resources"] == ["sdcincidents"]
+    (own,) = by_kind(docs, "Role")
+    assert own["metadata"]["namespace"] == "hyperpod-sdc"
+    secret_rules = [r for r in own["rules"] if "secrets" in r["resources"]]
+    assert {v for r in secret_rules for v in r["verbs"]} == {"create", "get"}
+    assert all(
+        r.get("resourceNames") == ["hyperpod-sdc-attestation"]
+        for r in secret_rules
+        if "get" in r["verbs"]
+    )
     (secret,) = by_kind(docs, "Secret")
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
 
@@ -149,14 +196,10 @@ def test_optional_parts() -> None:
     assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"] == {
         "matchLabels": {"team": "ml"}
     }
-    cas = by_kind(docs, "ConfigMap")
-    assert sorted(c["metadata"]["namespace"] for c in cas) == ["ml", "research"]
-    (secret,) = by_kind(docs, "Secret")
-    import base64
-
-    assert {c["data"]["ca.crt"].strip() for c in cas} == {
-        base64.b64decode(secret["data"]["ca.crt"]).decode().strip()
-    }
+    assert policy["spec"]["ingress"][1]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
+    assert not by_kind(docs, "ConfigMap")  # the operator publishes the CA itself
+    (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert {w["failurePolicy"] for w in hook["webhooks"]} == {"Fail"}
     (deploy,) = by_kind(docs, "Deployment")
     env = {
         e["name"]: e.get("value")
@@ -165,14 +208,34 @@ def test_optional_parts() -> None:
     assert (env["HYPERPOD_SDC_NAMESPACES"], env["HYPERPOD_SDC_DRY_RUN"]) == ("ml", "true")
 
 
+def test_the_optional_policy_is_valid_and_off_by_default() -> None:
+    import jsonschema
+
+    assert not by_kind(render(), "SDCPolicy")
+    (policy,) = by_kind(render(ALL_ON), "SDCPolicy")
+    assert policy["metadata"]["name"] == "ml-teams" and "namespace" not in policy["metadata"]
+    assert policy["spec"] == {
+        "namespaces": ["ml"],
+        "namespaceSelector": {"matchLabels": {"team": "ml"}},
+        "remediationPolicy": "manual",
+        "dryRun": False,
+    }
+    crd = yaml.safe_load((CHART / "crds" / "hyperpod-sdc.dev_sdcpolicies.yaml").read_text())
+    jsonschema.validate(policy, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
 def test_tls_off_and_existing_secret() -> None:
-    docs = render({"tls": {"enabled": False}})
-    assert not by_kind(docs, "Secret")
+    with pytest.raises(helm.HelmError, match="webhook.enabled needs tls.enabled"):
+        render({"tls": {"enabled": False}})
+    docs = render({"tls": {"enabled": False}, "webhook": {"enabled": False}})
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "MutatingWebhookConfiguration")
     (deploy,) = by_kind(docs, "Deployment")
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTP"
     assert "HYPERPOD_SDC_TLS_CERT_FILE" not in {e["name"] for e in container["env"]}
-    docs = render({"tls": {"existingSecret": "my-cert"}})
+    with pytest.raises(helm.HelmError, match="tls.caBundle"):
+        render({"tls": {"existingSecret": "my-cert"}})
+    docs = render({"tls": {"existingSecret": "my-cert", "caBundle": TEST_CA}})
     assert not by_kind(docs, "Secret")
     (deploy,) = by_kind(docs, "Deployment")
     volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
@@ -240,3 +303,146 @@ def test_the_images_install_recipe_gives_a_torch_free_operator(tmp_path: Path) -
         "assert importlib.util.find_spec('torch') is None, 'torch was installed'\n"
     )
     subprocess.run([str(python), "-c", check], check=True, capture_output=True)
+
+
+def test_webhook_registration_never_makes_other_pods_wait() -> None:
+    import base64
+
+    docs = render()
+    (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
+    (secret,) = by_kind(docs, "Secret")
+    assert [w["name"] for w in hook["webhooks"]] == [
+        "kubeflow.pods.hyperpod-sdc.dev",
+        "labelled.pods.hyperpod-sdc.dev",
+    ]
+    selectors = []
+    for webhook in hook["webhooks"]:
+        assert webhook["failurePolicy"] == "Ignore" and webhook["timeoutSeconds"] == 5
+        assert webhook["sideEffects"] == "None" and webhook["admissionReviewVersions"] == ["v1"]
+        assert webhook["rules"] == [
+            {
+                "operations": ["CREATE", "UPDATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ]
+        assert webhook["namespaceSelector"] == {
+            "matchExpressions": [
+                {
+                    "key": "kubernetes.io/metadata.name",
+                    "operator": "NotIn",
+                    "values": ["kube-system", "hyperpod-sdc"],
+                }
+            ]
+        }
+        assert webhook["clientConfig"]["service"] == {
+            "name": "hyperpod-sdc",
+            "namespace": "hyperpod-sdc",
+            "path": "/v1/admission/pods",
+            "port": 443,
+        }
+        # the API server trusts exactly the CA that signed the operator's certificate
+        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert base64.b64decode(webhook["clientConfig"]["caBundle"]).startswith(b"-----BEGIN")
+        selectors.append(webhook["objectSelector"])
+    assert selectors == [
+        {"matchLabels": {"training.kubeflow.org/operator-name": "pytorchjob-controller"}},
+        {"matchLabels": {"hyperpod-sdc.dev/inject": "true"}},
+    ]
+    (deploy,) = by_kind(docs, "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    # the operator knows which pods the webhook is sent, and the pods' URL
+    import json
+
+    from sdc_operator.injection import DEFAULT_POD_SELECTORS
+
+    assert json.loads(env["HYPERPOD_SDC_WEBHOOK_POD_SELECTORS"]) == selectors
+    assert tuple(selectors) == DEFAULT_POD_SELECTORS
+    assert env["HYPERPOD_SDC_INJECT_OPERATOR_URL"] == "https://hyperpod-sdc.hyperpod-sdc.svc:443"
+    assert env["HYPERPOD_SDC_TLS_CA_FILE"] == "/etc/hyperpod-sdc/tls/ca.crt"
+    assert env["HYPERPOD_SDC_TRUSTED_POD_CREATORS"] == (
+        "system:serviceaccount:kubeflow:training-operator"
+    )
+    extra = render({"webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}}})
+    (hook,) = by_kind(extra, "MutatingWebhookConfiguration")
+    assert hook["webhooks"][0]["namespaceSelector"]["matchLabels"] == {"team": "ml"}
+    assert len(hook["webhooks"][0]["namespaceSelector"]["matchExpressions"]) == 1
+
+
+def test_every_webhook_setting_the_operator_reads_is_set_from_values() -> None:
+    from sdc_operator.webhook import WEBHOOK_ENV
+
+    (deploy,) = by_kind(render(), "Deployment")
+    env = {e["name"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert set(WEBHOOK_ENV.values()) <= env
+
+
+def test_bad_webhook_values_are_refused() -> None:
+    chart = helm.Chart.load(str(CHART))
+    for values, where in (
+        ({"webhook": {"failurePolicy": "ignore"}}, "failurePolicy"),
+        ({"webhook": {"timeoutSeconds": 31}}, "timeoutSeconds"),
+        ({"webhook": {"podSelectors": [{"name": "all", "objectSelector": {}}]}}, "objectSelector"),
+        ({"webhook": {"podSelectors": []}}, "podSelectors"),
+        ({"certManager": {"issuerRef": {"name": "x", "kind": "Secret"}}}, "kind"),
+    ):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            chart.render(values, name="x", namespace="x")
+    with pytest.raises(helm.HelmError, match="networkPolicy.webhookFrom"):
+        render({"networkPolicy": {"enabled": True}})
+
+
+def test_cert_manager_gives_a_stable_ca_and_injects_the_bundle() -> None:
+    docs = render(CERT_MANAGER)
+    assert not by_kind(docs, "Secret")  # cert-manager writes it
+    (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert hook["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "hyperpod-sdc/hyperpod-sdc-tls"
+    }
+    assert all("caBundle" not in w["clientConfig"] for w in hook["webhooks"])
+    certificates = {c["metadata"]["name"]: c for c in by_kind(docs, "Certificate")}
+    serving, ca = certificates["hyperpod-sdc-tls"], certificates["hyperpod-sdc-ca"]
+    assert ca["spec"]["isCA"] is True and ca["spec"]["privateKey"]["rotationPolicy"] == "Never"
+    assert "hyperpod-sdc.hyperpod-sdc.svc" in serving["spec"]["dnsNames"]
+    assert serving["spec"]["issuerRef"] == {
+        "name": "hyperpod-sdc-ca",
+        "kind": "Issuer",
+        "group": "cert-manager.io",
+    }
+    (deploy,) = by_kind(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == serving["spec"]["secretName"]
+    # renewed in place and reloaded by the operator: no restart on a new certificate
+    assert "checksum/tls" not in (deploy["spec"]["template"]["metadata"].get("annotations") or {})
+    own = render(
+        {"certManager": {"enabled": True, "issuerRef": {"name": "corp", "kind": "ClusterIssuer"}}}
+    )
+    (serving,) = by_kind(own, "Certificate")
+    assert serving["spec"]["issuerRef"] == {
+        "name": "corp",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+    assert not by_kind(own, "Issuer")
+
+
+def test_offline_renders_keep_the_ca_only_with_cert_manager_or_an_existing_secret() -> None:
+    """What Argo CD does on every sync: render without the cluster. The chart's generated
+    CA changes every time (documented); cert-manager's and an existing Secret's do not."""
+    import yaml as yaml_
+
+    for values in (CERT_MANAGER, {"tls": {"existingSecret": "corp-tls", "caBundle": TEST_CA}}):
+        assert yaml_.safe_dump_all(render(values)) == yaml_.safe_dump_all(render(values))
+    first, second = by_kind(render(), "Secret"), by_kind(render(), "Secret")
+    assert first[0]["data"]["ca.crt"] != second[0]["data"]["ca.crt"]
+    docs = render({"tls": {"existingSecret": "corp-tls", "caBundle": TEST_CA}})
+    (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
+    import base64
+
+    assert base64.b64decode(hook["webhooks"][0]["clientConfig"]["caBundle"]).decode() == TEST_CA

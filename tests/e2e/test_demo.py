@@ -29,6 +29,34 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     demo = json.loads(out.read_text())
     assert demo["problems"] == []
 
+    # the job carries only the annotation; the webhook wired every pod the runner created,
+    # and the training operator's pods carry its attestation
+    for run in (demo["clean"], demo["faulty"]):
+        job = run["job_object"]
+        assert job["metadata"]["annotations"]["hyperpod-sdc.dev/enabled"] == "true"
+        template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        assert "volumes" not in template
+        assert not {e["name"] for e in template["containers"][0]["env"]} & {
+            "POD_NAME",
+            "NODE_NAME",
+            "HYPERPOD_SDC_OPERATOR_URL",
+            "HYPERPOD_SDC_TOKEN_FILE",
+            "HYPERPOD_SDC_CA_BUNDLE",
+        }
+        assert len(run["wired_pods"]) == 3 * len(run["placements"])
+        for pod in run["wired_pods"]:
+            env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+            assert {"POD_NAME", "NODE_NAME", "HYPERPOD_SDC_CA_BUNDLE"} <= env
+            assert {v["name"] for v in pod["spec"]["volumes"]} == {
+                "hyperpod-sdc-token",
+                "hyperpod-sdc-ca",
+            }
+            annotations = pod["metadata"]["annotations"]
+            assert annotations["hyperpod-sdc.dev/created-by"] == (
+                "system:serviceaccount:kubeflow:training-operator"
+            )
+            assert annotations["hyperpod-sdc.dev/attestation"].startswith("v1:")
+
     # no fault: no incident, no node touched
     clean = demo["clean"]
     assert clean["finished"] and clean["incidents"] == []

@@ -8,6 +8,7 @@ goes through the real API server: TokenRequest, TokenReview, CRDs, patches, Even
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -25,6 +26,8 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
+from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, sign
+
 ROOT = Path(__file__).resolve().parents[2]
 # Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
 PYTORCHJOB_CRD = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
@@ -40,7 +43,16 @@ JOB_API = {
     "HyperPodPyTorchJob": ("sagemaker.amazonaws.com", "v1", "hyperpodpytorchjobs"),
 }
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
+WEBHOOK_LABELS = {
+    "PyTorchJob": {"training.kubeflow.org/operator-name": "pytorchjob-controller"},
+    "HyperPodPyTorchJob": {"hyperpod-sdc.dev/inject": "true"},
+}
+"""The labels by which the chart's webhook entries select each job kind's pods."""
 T = TypeVar("T")
+OPERATOR_NAMESPACE = "hyperpod-sdc"
+ATTESTATION_SECRET = "hyperpod-sdc-attestation"
+TRAINING_OPERATOR = "system:serviceaccount:kubeflow:training-operator"
+"""The user the admission webhook would have seen create the tests' pods."""
 
 
 def free_port() -> int:
@@ -90,6 +102,7 @@ class Cluster:
             self.kubectl("create", "-f", str(SERVICEMONITOR_CRD))
             for crd in (
                 "sdcincidents.hyperpod-sdc.dev",
+                "sdcpolicies.hyperpod-sdc.dev",
                 "pytorchjobs.kubeflow.org",
                 "workloads.kueue.x-k8s.io",
                 "hyperpodpytorchjobs.sagemaker.amazonaws.com",
@@ -98,6 +111,15 @@ class Cluster:
                 self.kubectl(
                     "wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s"
                 )
+            self.key = secrets.token_bytes(32)
+            self.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+            self.core.create_namespaced_secret(
+                OPERATOR_NAMESPACE,
+                {
+                    "metadata": {"name": ATTESTATION_SECRET},
+                    "data": {"key": base64.b64encode(self.key).decode()},
+                },
+            )
         except BaseException:
             self.stop()
             raise
@@ -126,11 +148,32 @@ class Cluster:
 
     # -- objects ---------------------------------------------------------------------------
 
-    def namespace(self) -> str:
+    def namespace(self, *, admitted: bool = True) -> str:
+        """A new namespace with a ServiceAccount ``worker``, admitted by an ``SDCPolicy``
+        of its own unless ``admitted`` is false."""
         name = f"t-{secrets.token_hex(4)}"
         self.core.create_namespace({"metadata": {"name": name}})
         self.core.create_namespaced_service_account(name, {"metadata": {"name": "worker"}})
+        if admitted:
+            self.policy(f"admit-{name}", {"namespaces": [name]})
         return name
+
+    def admit(self, namespace: str, **spec: Any) -> None:
+        """Change the namespace's own policy (``remediationPolicy="auto-replace"``, ...)."""
+        self.custom.patch_cluster_custom_object(
+            "hyperpod-sdc.dev", "v1alpha1", "sdcpolicies", f"admit-{namespace}", {"spec": spec}
+        )
+
+    def policy(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        body = {
+            "apiVersion": "hyperpod-sdc.dev/v1alpha1",
+            "kind": "SDCPolicy",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+        return self.custom.create_cluster_custom_object(
+            "hyperpod-sdc.dev", "v1alpha1", "sdcpolicies", body
+        )
 
     def node(
         self,
@@ -197,9 +240,20 @@ class Cluster:
         return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
 
     def pod(
-        self, namespace: str, name: str, node: str, owner: dict[str, Any] | None
+        self,
+        namespace: str,
+        name: str,
+        node: str,
+        owner: dict[str, Any] | None,
+        *,
+        attested: bool = True,
+        annotations: dict[str, str] | None = None,
+        key: bytes | None = None,
     ) -> dict[str, Any]:
-        meta: dict[str, Any] = {"name": name}
+        """A pod bound to ``node`` (as the scheduler would). ``attested``: with the
+        annotations the admission webhook writes on a pod the training operator made
+        (signed with this cluster's test key); the tests create pods as the admin."""
+        meta: dict[str, Any] = {"name": name, "annotations": dict(annotations or {})}
         if owner is not None:
             meta["ownerReferences"] = [
                 {
@@ -210,6 +264,14 @@ class Cluster:
                     "controller": True,
                 }
             ]
+            if attested:
+                # What the training operator puts on its pods, which selects them for the
+                # admission webhook; then what the webhook writes.
+                meta["labels"] = dict(WEBHOOK_LABELS[owner["kind"]])
+                meta["annotations"][CREATED_BY_ANNOTATION] = TRAINING_OPERATOR
+                meta["annotations"][ATTESTATION_ANNOTATION] = sign(
+                    key or self.key, namespace, name, owner["metadata"]["uid"], TRAINING_OPERATOR
+                )
         body = {
             "metadata": meta,
             "spec": {
@@ -268,6 +330,9 @@ class OperatorProcess:
             "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
             "HYPERPOD_SDC_NAMESPACES": namespace,
             "HYPERPOD_SDC_RESYNC_SECONDS": "1",
+            "HYPERPOD_SDC_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
+            # One election per test: a replica a test killed must not hold the next one's.
+            "HYPERPOD_SDC_LEASE_NAME": f"leader-{namespace}",
             # The tests share one API server and leave quarantined nodes behind: only the
             # tests of the cap itself set one.
             "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",

@@ -41,13 +41,16 @@ def make_job(
     n: int = 3,
     kind: str = "PyTorchJob",
     job_labels: dict[str, str] | None = None,
+    key: bytes | None = None,
     **node_kw: Any,
 ) -> Job:
+    """A job of ``n`` pods on ``n`` new nodes, named and attested as the training operator
+    would (``key``: the attestation key, default the cluster's)."""
     nodes = [cluster.node(**node_kw) for _ in range(n)]
     body = cluster.job(namespace, name, enabled=enabled, replicas=n, kind=kind, labels=job_labels)
     pods = [f"{name}-master-0"] + [f"{name}-worker-{i}" for i in range(n - 1)]
     for pod, node in zip(pods, nodes, strict=True):
-        cluster.pod(namespace, pod, node["metadata"]["name"], body)
+        cluster.pod(namespace, pod, node["metadata"]["name"], body, key=key)
     return Job(namespace, name, body, nodes, pods)
 
 

@@ -19,7 +19,7 @@ import pytest
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
 
-from .cluster import Cluster, OperatorProcess, post, post_split, self_signed_cert
+from .cluster import Cluster, OperatorProcess, post, post_split, self_signed_cert, wait_for
 from .test_containment import Job, incident_in, make_job, send, verdict
 
 
@@ -55,6 +55,11 @@ def test_refusals_change_nothing(
     lying_pod = json.loads(encode_report(verdict(job, 0)))
     lying_pod["reporter"]["pod"] = job.pods[1]
     stale = encode_report(verdict(job, 0, sent_at=time.time() - 7200))
+    in_an_hour = encode_report(verdict(job, 0, sent_at=time.time() + 3600))
+    in_a_century = encode_report(verdict(job, 0, sent_at=time.time() + 100 * 365 * 86400))
+    # "kind" twice: a parser that keeps the last one would read a heartbeat
+    kind_twice = good.replace(b'"kind":"verdict"', b'"kind":"verdict","kind":"heartbeat"')
+    assert kind_twice != good
     cases: list[tuple[str, bytes | str, str | None, str, int, str, str]] = [
         # (what, body, token, content type, status, reason, text in message)
         (
@@ -153,6 +158,9 @@ def test_refusals_change_nothing(
             "reporter.pod",
         ),
         ("stale", stale, token, "application/json", 422, "stale", "sent_at"),
+        ("an hour ahead", in_an_hour, token, "application/json", 422, "future", "sent_at"),
+        ("a century ahead", in_a_century, token, "application/json", 422, "future", "sent_at"),
+        ("a key twice", kind_twice, token, "application/json", 422, "schema", "kind: is given"),
     ]
     for what, body, tok, content_type, status, reason, text in cases:
         got, answer, _ = post(op.url, body, tok, content_type)
@@ -162,7 +170,8 @@ def test_refusals_change_nothing(
     metrics = op.metrics()
     for reason, count in {
         "malformed": 1,
-        "schema": 2,
+        "schema": 3,
+        "future": 2,
         "unauthenticated": 3,
         "reporter_mismatch": 2,
         "unknown_suspect": 1,
@@ -203,8 +212,14 @@ def test_duplicates_fold_into_one_incident(
         assert status == 202, answer
     incident = incident_in(cluster, namespace, "Contained")
     assert len(cluster.incidents(namespace)) == 1
+    # Once containment started, a new node's report changes nothing: it is answered from
+    # memory and only counted.
     assert sorted(r["node"] for r in incident["status"]["reports"]) == sorted(
-        job.node_name(i) for i in range(3)
+        job.node_name(i) for i in (0, 2)
+    )
+    wait_for(
+        "the third node counted",
+        lambda: cluster.incidents(namespace)[0]["status"].get("reportingNodes") == 3,
     )
     actions = [(a["action"], a["target"]) for a in incident["status"]["actions"]]
     assert actions == [

@@ -97,6 +97,7 @@ def test_per_node_failure_is_retried_with_back_off(
         ],
     }
     sagemaker = FakeSageMaker({"BatchRebootClusterNodes": [failed]})
+    cluster.admit(namespace, remediationPolicy="auto-reboot")
     try:
         op = start_operator(
             extra_env=sagemaker.env(),
@@ -167,6 +168,7 @@ def multi(job: Job, reporter: int, suspect_nodes: list[int]) -> VerdictReport:
         transient=None,
         suspects=suspects,
         message=f"non-finite local gradients on {len(suspects)} ranks",
+        corroborated=True,  # the suspects' micro-batches replayed finite on other nodes
     )
 
 
@@ -255,6 +257,7 @@ def test_auto_replace_through_the_health_label(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
     job = make_job(cluster, namespace)
+    cluster.admit(namespace, remediationPolicy="auto-replace")
     op = start_operator(remediation_policy="auto-replace", remediation_method="label")
     contain(cluster, op, job)
     phase(cluster, namespace, "Remediated")

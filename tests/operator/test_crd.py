@@ -86,3 +86,39 @@ def test_an_incident_validates(crd: dict[str, Any]) -> None:
     jsonschema.Draft7Validator(schema).validate(incident)
     broken = {**incident, "spec": {**incident["spec"], "check": "vibes"}}
     assert not jsonschema.Draft7Validator(schema).is_valid(broken)
+
+
+POLICY_CRD = CRD_PATH.parent / "hyperpod-sdc.dev_sdcpolicies.yaml"
+
+
+def test_the_policy_crd_is_cluster_scoped_structural_and_validates() -> None:
+    crd = yaml.safe_load(POLICY_CRD.read_text())
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == "sdcpolicies.hyperpod-sdc.dev"
+    assert (spec["group"], spec["scope"], spec["names"]["kind"]) == (
+        "hyperpod-sdc.dev",
+        "Cluster",
+        "SDCPolicy",
+    )
+    assert spec["names"]["shortNames"] == ["sdcp"]
+    (version,) = spec["versions"]
+    schema = version["schema"]["openAPIV3Schema"]
+    assert _walk(schema) == []
+    assert "x-kubernetes-validations" not in POLICY_CRD.read_text()
+    good = {
+        "apiVersion": "hyperpod-sdc.dev/v1alpha1",
+        "kind": "SDCPolicy",
+        "metadata": {"name": "ml"},
+        "spec": {
+            "namespaces": ["ml"],
+            "namespaceSelector": {
+                "matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]
+            },
+            "remediationPolicy": "auto-reboot",
+            "dryRun": True,
+        },
+    }
+    jsonschema.validate(good, schema)
+    bad = {**good, "spec": {"remediationPolicy": "auto-delete"}}
+    with pytest.raises(jsonschema.ValidationError, match="auto-delete"):
+        jsonschema.validate(bad, schema)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +134,27 @@ BOUND = {
 }
 
 
+def jwt(claims: dict[str, Any] | None = None, header: dict[str, Any] | None = None) -> str:
+    """A token shaped like a projected ServiceAccount token (its signature is not
+    checked here: the API server's TokenReview does that)."""
+
+    def part(value: Any) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+    body = {"aud": ["hyperpod-sdc"], "exp": time.time() + 3600, **(claims or {})}
+    return f"{part(header or {'alg': 'RS256'})}.{part(body)}.c2lnbmF0dXJl"
+
+
 def test_token_review_gives_the_bound_pod_and_is_cached() -> None:
     reviews = Reviews(BOUND)
     reviewer = TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=30)
+    t = jwt()
     for _ in range(3):
-        identity = asyncio.run(reviewer.authenticate("t"))
+        identity = asyncio.run(reviewer.authenticate(t))
     assert (identity.namespace, identity.pod, identity.pod_uid) == ("ml", "job-worker-0", "u1")
     assert reviews.calls == 1
-    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate("t"))
-    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate("t"))
+    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate(t))
+    asyncio.run(TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=0).authenticate(t))
     assert reviews.calls == 3
 
 
@@ -153,10 +168,21 @@ def test_token_review_gives_the_bound_pod_and_is_cached() -> None:
     ],
 )
 def test_token_review_refusals(status: dict[str, Any], message: str) -> None:
-    reviewer = TokenReviewer(Reviews(status), "hyperpod-sdc", cache_seconds=30)
-    with pytest.raises(Refusal, match=message) as caught:
-        asyncio.run(reviewer.authenticate("t"))
-    assert (caught.value.status, caught.value.reason) == (401, "unauthenticated")
+    reviews = Reviews(status)
+    reviewer = TokenReviewer(reviews, "hyperpod-sdc", cache_seconds=30)
+    t = jwt()
+
+    async def twice() -> list[Refusal]:
+        caught = []
+        for _ in range(2):
+            with pytest.raises(Refusal, match=message) as one:
+                await reviewer.authenticate(t)
+            caught.append(one.value)
+        return caught
+
+    for refusal in asyncio.run(twice()):
+        assert (refusal.status, refusal.reason) == (401, "unauthenticated")
+    assert reviews.calls == 1  # the rejection is remembered: no second review
 
 
 def test_static_tokens(tmp_path: Path) -> None:

@@ -273,3 +273,161 @@ def test_overdue_counts_from_the_oldest_undelivered_verdict(port: int, token: Pa
         assert reporter.close(10)
     finally:
         operator.stop()
+
+
+def _openssl(*args: str) -> None:
+    import subprocess
+
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _ca_and_certificate(directory: Path, name: str) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate for 127.0.0.1 signed by it, its key)."""
+    ca_key, ca = directory / f"{name}-ca.key", directory / f"{name}-ca.crt"
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}-ca",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+    )
+    key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
+    ext = directory / f"{name}.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(cert),
+    )
+    return ca, cert, key
+
+
+def _project(directory: Path, version: str, ca: Path) -> None:
+    """Update ``directory/ca.crt`` as the kubelet updates a mounted ConfigMap: the new
+    content in a new directory, then one rename of the ``..data`` symlink."""
+    import os
+
+    (directory / version).mkdir()
+    (directory / version / "ca.crt").write_bytes(ca.read_bytes())
+    (directory / "..data_tmp").symlink_to(version)
+    os.replace(directory / "..data_tmp", directory / "..data")
+    if not (directory / "ca.crt").is_symlink():
+        (directory / "ca.crt").symlink_to("..data/ca.crt")
+
+
+def test_a_rotated_ca_bundle_is_read_again(port: int, token: Path, tmp_path: Path) -> None:
+    """The operator's certificate and the CA the pod mounts are both replaced: the reporter
+    keeps delivering, and it needs the new CA to (the old one no longer verifies)."""
+    import shutil
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    first = _ca_and_certificate(tmp_path, "first")
+    second = _ca_and_certificate(tmp_path, "second")
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(first[1], first[2])
+    operator = Operator(port)
+    operator.server.socket = server_tls.wrap_socket(operator.server.socket, server_side=True)
+    mounted = tmp_path / "ca"
+    mounted.mkdir()
+    _project(mounted, "..v1", first[0])
+    reporter = Reporter(
+        ReporterConfig(
+            operator_url=f"https://127.0.0.1:{port}",
+            token_file=str(token),
+            ca_bundle=str(mounted / "ca.crt"),
+            initial_backoff_seconds=0.05,
+            max_backoff_seconds=0.2,
+        )
+    )
+    try:
+        reporter.submit(heartbeat(1))
+        assert reporter.flush(10)
+        # the operator's certificate is renewed by a new CA; the pod still has the old CA
+        server_tls.load_cert_chain(second[1], second[2])
+        reporter.submit(heartbeat(2))
+        assert not reporter.flush(1.0), "the old CA verified the new certificate"
+        _project(mounted, "..v2", second[0])  # the operator republished its CA
+        assert reporter.flush(10)
+        assert [r.step for _, r in operator.received] == [1, 2]
+        assert reporter.delivered == 2 and reporter.refused == 0
+    finally:
+        reporter.close(timeout=1)
+        operator.stop()
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 413, 422])
+def test_a_refused_verdict_counts_as_undelivered_and_is_logged_each_time(
+    port: int, token: Path, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    operator = Operator(port, statuses=[status, status, status])
+    try:
+        reporter = make(port, token)
+        reporter.submit(heartbeat(1))  # refused: logged, but no verdict is at stake
+        assert reporter.flush(10)
+        assert not reporter.verdict_overdue(0.0)
+        reporter.submit(verdict(2))
+        reporter.submit(verdict(3))
+        assert reporter.flush(10)
+        assert not reporter.verdict_overdue(5.0)
+        time.sleep(0.25)
+        assert reporter.verdict_overdue(0.2)  # never delivered: unreachable_policy=stop fires
+        reporter.submit(verdict(4))  # delivered: the refused ones still count
+        assert reporter.close(10)
+        assert reporter.verdict_overdue(0.2)
+    finally:
+        operator.stop()
+    counters = reporter.counters()
+    assert counters["refused"] == 3 and counters["refused_verdicts"] == 2
+    assert counters["refusals"] == {status: 3}
+    assert counters["delivered"] == 1 and counters["undeliverable_verdict"] is True
+    loud = [
+        r for r in caplog.records if r.levelname == "ERROR" and "REFUSED a verdict" in r.message
+    ]
+    assert len(loud) == 2, [r.message for r in caplog.records]
+    assert all(f"HTTP {status}" in r.message for r in loud)
+
+
+def test_a_verdict_that_cannot_be_encoded_counts_as_undelivered(
+    operator: Operator, port: int, token: Path
+) -> None:
+    import dataclasses
+
+    reporter = make(port, token)
+    reporter.submit(dataclasses.replace(verdict(3), message="x" * 5000))  # over the limit
+    assert reporter.close(10)
+    time.sleep(0.05)
+    assert reporter.verdict_overdue(0.01)

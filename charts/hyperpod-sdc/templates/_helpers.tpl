@@ -41,3 +41,89 @@ app.kubernetes.io/component: operator
 {{- define "hyperpod-sdc.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "hyperpod-sdc.fullname" .)) .Values.tls.existingSecret }}
 {{- end }}
+
+{{/* The operator's in-cluster URL, as the agents reach it. */}}
+{{- define "hyperpod-sdc.operatorURL" -}}
+{{- printf "%s://%s.%s.svc:%v" (ternary "https" "http" .Values.tls.enabled) (include "hyperpod-sdc.fullname" .) .Release.Namespace .Values.service.port }}
+{{- end }}
+
+{{/* Where the chart's TLS comes from: generated, existingSecret or certManager. */}}
+{{- define "hyperpod-sdc.tlsSource" -}}
+{{- if .Values.certManager.enabled }}certManager
+{{- else if .Values.tls.existingSecret }}existingSecret
+{{- else }}generated
+{{- end }}
+{{- end }}
+
+{{/*
+The MutatingWebhookConfiguration, with the CA that signed the operator's certificate as
+its caBundle (PEM in .caBundle), or cert-manager's CA injection. Rendered by tls.yaml where
+the chart generates the CA (the same render must see the same random CA) and by
+webhook.yaml otherwise.
+*/}}
+{{- define "hyperpod-sdc.webhookConfiguration" -}}
+{{- $root := .root }}
+{{- $fullname := include "hyperpod-sdc.fullname" $root }}
+{{- $excluded := list "kube-system" $root.Release.Namespace }}
+{{- $nsSelector := $root.Values.webhook.namespaceSelector }}
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata:
+  name: {{ $fullname }}
+  labels:
+    {{- include "hyperpod-sdc.labels" $root | nindent 4 }}
+  {{- if $root.Values.certManager.enabled }}
+  annotations:
+    # cert-manager's cainjector writes the Certificate's CA into every caBundle below
+    cert-manager.io/inject-ca-from: {{ $root.Release.Namespace }}/{{ $fullname }}-tls
+  {{- end }}
+webhooks:
+  {{- range $root.Values.webhook.podSelectors }}
+  - name: {{ .name }}.pods.hyperpod-sdc.dev
+    admissionReviewVersions: [v1]
+    sideEffects: None
+    failurePolicy: {{ $root.Values.webhook.failurePolicy }}
+    timeoutSeconds: {{ $root.Values.webhook.timeoutSeconds }}
+    matchPolicy: Equivalent
+    reinvocationPolicy: Never
+    clientConfig:
+      service:
+        name: {{ $fullname }}
+        namespace: {{ $root.Release.Namespace }}
+        path: /v1/admission/pods
+        port: {{ $root.Values.service.port }}
+      {{- if $.caBundle }}
+      caBundle: {{ $.caBundle | b64enc }}
+      {{- end }}
+    rules:
+      - operations: [CREATE, UPDATE]
+        apiGroups: [""]
+        apiVersions: [v1]
+        resources: [pods]
+        scope: Namespaced
+    # Never the operator's own namespace or kube-system: nothing there waits for it.
+    namespaceSelector:
+      {{- with $nsSelector.matchLabels }}
+      matchLabels:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      matchExpressions:
+        - key: kubernetes.io/metadata.name
+          operator: NotIn
+          values:
+            {{- toYaml $excluded | nindent 12 }}
+        {{- with $nsSelector.matchExpressions }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    # Only the training operators' pods are sent: no other pod waits for the operator.
+    objectSelector:
+      {{- toYaml .objectSelector | nindent 6 }}
+  {{- end }}
+{{- end }}
+
+{{/* The webhook's pod selectors, as the operator reads them (HYPERPOD_SDC_WEBHOOK_POD_SELECTORS). */}}
+{{- define "hyperpod-sdc.podSelectorsJSON" -}}
+{{- $selectors := list }}
+{{- range .Values.webhook.podSelectors }}{{ $selectors = append $selectors .objectSelector }}{{ end }}
+{{- toJson $selectors }}
+{{- end }}

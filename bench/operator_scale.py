@@ -1,0 +1,200 @@
+"""A detection storm from one job of N nodes, against the operator as a real process.
+
+    flock /tmp/hyperpod-cpu.lock .venv/bin/python bench/operator_scale.py [--nodes 64 256 512]
+    flock /tmp/hyperpod-cpu.lock .venv/bin/python bench/operator_scale.py --nodes 1024
+    .venv/bin/python bench/operator_scale.py --operator-src /tmp/op-main --nodes 64 128
+
+For each N: a fresh API server (scripts/kube-apiserver.sh), N nodes, one PyTorchJob of N
+pods (attested as the training operator's), N bound tokens, the operator. Then, every
+node's agent on its own connection with the agent's 5 s timeout and back-off
+(tests/integration/storm.py):
+
+1. ``heartbeats_cold``: every node sends its first heartbeat at once (each token reviewed);
+   ``heartbeats_warm``: and again;
+2. ``verdict`` storms, twice on the same job with different suspects: ``elected``, the
+   three reporters the agents elect by default (HYPERPOD_SDC_VERDICT_REPORTERS=3), and
+   ``every_node`` (old agents, or HYPERPOD_SDC_VERDICT_REPORTERS=0).
+
+It prints one JSON object: per N and storm, the first attempts (answers, p50/p99),
+seconds from releasing the senders to the watch showing the incident ``Contained`` (job
+suspended, node quarantined), ``/healthz`` worst answer, API requests per report (the
+operator's own counter, and the API server's count, watches left out), the operator's CPU
+seconds and peak RSS; then a least-squares line through CPU seconds, peak RSS and
+containment time against N, and what it predicts for 2,000 nodes.
+
+``--operator-src DIR`` runs the operator from another checkout's ``operator/`` and
+``sidecar/`` (the "before" figures, e.g. ``git archive main | tar -x -C /tmp/op-main``);
+such an operator may know none of the newer settings and metrics.
+
+Everything shares this machine's cores: the API server, etcd, the operator and the senders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.integration import storm  # noqa: E402
+from tests.integration.cluster import Cluster, OperatorProcess  # noqa: E402
+
+SETTINGS = {
+    # every simulated agent sends from 127.0.0.1: the per-address limit is for attackers
+    "rate_per_source": "1000000",
+    "rate_source_burst": "1000000",
+    # main's defaults (a burst of 400 a job) would refuse a storm of 512 on their own
+    "rate_burst": "100000",
+    "rate_per_job": "100000",
+    "log_level": "WARNING",
+}
+
+
+def fit(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """Least squares y = a + b x, and what it predicts for 2,000 nodes."""
+    n = len(xs)
+    if n < 2:
+        return {}
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    a = my - b * mx
+    return {
+        "intercept": round(a, 4),
+        "per_node": round(b, 6),
+        "at_2000_nodes": round(a + b * 2000, 3),
+    }
+
+
+def storm_once(
+    cluster: Cluster,
+    namespace: str,
+    op: OperatorProcess,
+    job: storm.Job,
+    tokens: list[str],
+    reporters: list[int],
+    suspect: int,
+    step: int,
+) -> dict[str, Any]:
+    watcher = storm.Contained(cluster, namespace, step)
+    probe = storm.HealthProbe(op.url)
+    api_before = storm.operator_api_requests(op.metrics())
+    server_before = storm.apiserver_requests(cluster)
+    cpu_before = storm.cpu_seconds(op.proc.pid)
+    senders, released = storm.burst(
+        op.url, storm.verdicts(job, reporters, suspect, step), [tokens[i] for i in reporters]
+    )
+    contained = watcher.wait(120)
+    time.sleep(1.0)  # what containment wrote, counted
+    out = storm.summary(senders)
+    reports = out["attempts"] or 1
+    out.update(
+        contained_s=round(contained - released, 3) if contained else None,
+        healthz_worst_s=round(probe.stop(), 3),
+        operator_api_requests_per_report=round(
+            (storm.operator_api_requests(op.metrics()) - api_before) / reports, 3
+        ),
+        apiserver_requests_per_report=round(
+            (storm.apiserver_requests(cluster) - server_before) / reports, 3
+        ),
+        operator_cpu_s=round(storm.cpu_seconds(op.proc.pid) - cpu_before, 2),
+    )
+    if watcher.incident:
+        status = watcher.incident["status"]
+        out["incident"] = {
+            "node_quarantined": status.get("node") == job.node_name(suspect),
+            "reports_recorded": len(status.get("reports") or []),
+        }
+    return out
+
+
+def run(nodes: int, operator_src: Path | None, tmp: Path) -> dict[str, Any]:
+    cluster = Cluster(tmp / f"apiserver-{nodes}")
+    try:
+        namespace = cluster.namespace()
+        made = time.monotonic()
+        job, tokens = storm.job_of(cluster, namespace, nodes)
+        setup_s = time.monotonic() - made
+        extra: dict[str, str] = {}
+        if operator_src is not None:
+            extra["PYTHONPATH"] = f"{operator_src / 'operator'}:{operator_src / 'sidecar'}"
+        op = OperatorProcess(
+            cluster, namespace, tmp / f"op-{nodes}.log", extra_env=extra, **SETTINGS
+        )
+        try:
+            result: dict[str, Any] = {"nodes": nodes, "setup_s": round(setup_s, 1)}
+            idle_rss = storm.rss_peak_mb(op.proc.pid)
+            for label in ("heartbeats_cold", "heartbeats_warm"):
+                api_before = storm.operator_api_requests(op.metrics())
+                server_before = storm.apiserver_requests(cluster)
+                senders, _ = storm.burst(op.url, storm.heartbeats(job), tokens)
+                time.sleep(0.5)
+                got = storm.summary(senders)
+                got["operator_api_requests_per_heartbeat"] = round(
+                    (storm.operator_api_requests(op.metrics()) - api_before) / nodes, 3
+                )
+                got["apiserver_requests_per_heartbeat"] = round(
+                    (storm.apiserver_requests(cluster) - server_before) / nodes, 3
+                )
+                result[label] = got
+            result["elected"] = storm_once(
+                cluster,
+                namespace,
+                op,
+                job,
+                tokens,
+                storm.elected(nodes, nodes // 3),
+                nodes // 3,
+                15,
+            )
+            result["every_node"] = storm_once(
+                cluster, namespace, op, job, tokens, list(range(nodes)), (2 * nodes) // 3, 30
+            )
+            result["operator_peak_rss_mb"] = round(storm.rss_peak_mb(op.proc.pid), 1)
+            result["operator_rss_after_setup_mb"] = round(idle_rss, 1)
+        finally:
+            op.stop()
+        return result
+    finally:
+        cluster.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--operator-src", type=Path, default=None)
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for nodes in args.nodes:
+            results.append(run(nodes, args.operator_src, Path(tmp)))
+            print(json.dumps(results[-1]), file=sys.stderr)
+    xs = [float(r["nodes"]) for r in results]
+    curves: dict[str, Any] = {}
+    for storm_name in ("elected", "every_node"):
+        for metric in ("operator_cpu_s", "contained_s"):
+            ys = [r[storm_name].get(metric) for r in results]
+            if all(isinstance(y, int | float) for y in ys):
+                curves[f"{storm_name}.{metric}"] = fit(xs, [float(y) for y in ys])
+    curves["operator_peak_rss_mb"] = fit(xs, [r["operator_peak_rss_mb"] for r in results])
+    print(
+        json.dumps(
+            {
+                "operator": str(args.operator_src or ROOT),
+                "agent_timeout_s": storm.TIMEOUT_SECONDS,
+                "runs": results,
+                "fits": curves,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""The actions the leader takes on the cluster and on AWS, each exactly once.
+
+:class:`Actions` takes one action (:meth:`Actions.take`), says what identifies its effect
+before it is taken (:meth:`Actions.intent`, recorded as ``Pending`` by the engine), and,
+when it finds a ``Pending`` action after a restart or a conflict, finds out whether it took
+effect before taking it again (:meth:`Actions.verify`): the job's ``runPolicy.suspend``, the
+node's taint and annotation, its health label, or SageMaker's ``DescribeClusterNode``.
+
+Quarantines of every incident go through one lock: the caps are counted (from the node
+cache, which every patch updates at once, plus the nodes other incidents have reserved)
+and the node patched under it, so twenty incidents at once under a cap of five quarantine
+exactly five nodes. Node patches carry the ``resourceVersion`` they were computed from, so a
+taint or cordon another writer added in between is never written over: the patch is
+refused (409), the node read again, and the patch computed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import incidents, jobs, nodes
+from .caches import Caches
+from .errors import ApiError
+from .incidents import Action, Rules, now_iso, parse_time
+from .kube import Kube, is_conflict, is_not_found
+from .names import (
+    HYPERPOD_CLUSTER_LABEL,
+    HYPERPOD_HEALTH_LABEL,
+    INCIDENT_ANNOTATION,
+    RESUME_MAX_STEP_ENV,
+    SUSPECT_KEY,
+)
+from .remediate import HyperPodNodes, took_effect
+from .settings import OperatorSettings
+
+__all__ = ["Actions", "Outcome"]
+
+log = logging.getLogger(__name__)
+_NODE_CONFLICT_RETRIES = 20
+
+Emit = Callable[[dict[str, Any], str, str, bool], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an action did: its result and message for ``status.actions``, and optionally a
+    condition ``(type, status, reason, message)`` and status fields to set with it."""
+
+    result: str
+    message: str
+    condition: tuple[str, str, str, str] | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    """Why an action was skipped, for the containment summary (``CapReached``)."""
+
+    def apply(self, status: dict[str, Any], action: Action) -> dict[str, Any]:
+        at = now_iso()
+        status = incidents.record_action(status, action, self.result, self.message, at, self.reason)
+        status.update(self.fields)
+        if self.condition is not None:
+            incidents.set_condition(status, *self.condition, at)
+        return status
+
+
+def _released(result: str, message: str) -> Outcome:
+    """A node given back (or found gone or held by another incident): the end of it."""
+    return Outcome(
+        result, message, ("Remediated", "True", "Released", message), {"phase": "Released"}
+    )
+
+
+def _remediation_failed(message: str) -> Outcome:
+    """Retried after a back-off (incidents.retry_at)."""
+    return Outcome("Failed", message, ("Remediated", "False", "RemediationFailed", message))
+
+
+def _ref(incident: dict[str, Any]) -> str:
+    meta = incident["metadata"]
+    return f"{meta['namespace']}/{meta['name']}"
+
+
+class Actions:
+    def __init__(
+        self,
+        kube: Kube,
+        caches: Caches,
+        settings: OperatorSettings,
+        hyperpod: HyperPodNodes | None,
+        emit: Emit,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kube = kube
+        self.caches = caches
+        self.settings = settings
+        self.hyperpod = hyperpod
+        self._emit = emit
+        self._clock = clock
+        self._quarantine = asyncio.Lock()
+        self._reserved: dict[str, set[str]] = {}
+        """Nodes an incident is about to quarantine, counted against the caps."""
+
+    # -- the three entry points ------------------------------------------------------------
+
+    async def intent(self, incident: dict[str, Any], action: Action) -> dict[str, Any]:
+        """What identifies ``action``'s effect later, recorded before it is taken."""
+        if action.action.endswith("-node"):
+            node = self.caches.nodes.get(None, action.target) or {}
+            meta = node.get("metadata") or {}
+            intent: dict[str, Any] = {
+                "node": action.target,
+                "resourceVersion": meta.get("resourceVersion", ""),
+                "bootID": ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID", ""),
+            }
+            if action.action in ("reboot-node", "replace-node"):
+                intent["method"] = self.settings.remediation_method
+                instance = self._instance_of(incident, action.target)
+                if instance:
+                    intent["instanceId"] = instance
+            return intent
+        job = (incident.get("spec") or {}).get("job") or {}
+        return {"job": job.get("uid", "")}
+
+    async def take(self, incident: dict[str, Any], action: Action, rules: Rules) -> Outcome:
+        """Take ``action`` (or, in dry-run, only say what it would be)."""
+        if rules.dry_run:
+            return Outcome(
+                "DryRun", f"dry-run: would {action.action.replace('-', ' ')} {action.target}"
+            )
+        if action.action == "suspend-job":
+            return await self._suspend_job(incident)
+        if action.action == "quarantine-node":
+            return await self._quarantine_node(incident, action.target, rules)
+        if action.action == "resume-job":
+            return await self._resume_job(incident)
+        if action.action in ("reboot-node", "replace-node"):
+            return await self._remediate(incident, action)
+        if action.action == "release-node":
+            return await self._release(incident, action.target)
+        raise ValueError(f"unknown action {action.action!r}")
+
+    async def verify(
+        self, incident: dict[str, Any], action: Action, entry: dict[str, Any], rules: Rules
+    ) -> Outcome | None:
+        """``action`` was recorded ``Pending`` and its result never: the operator died or
+        lost a write in between. Its outcome if it took effect (or if taking it again is
+        harmless, which is the case for every action but a SageMaker call), or ``None``
+        while that cannot be told yet (retry later)."""
+        if rules.dry_run or action.action not in ("reboot-node", "replace-node"):
+            # Suspend, quarantine, resume and release look at the object first and do
+            # nothing where it is done already ("already" in the message).
+            return await self.take(incident, action, rules)
+        if self.settings.remediation_method == "label":
+            return await self.take(incident, action, rules)
+        kind = action.action.removesuffix("-node")
+        cluster, instance, why = self._where(incident, action.target)
+        if why or self.hyperpod is None:
+            return await self.take(incident, action, rules)
+        assert cluster is not None and instance is not None
+        try:
+            described = await self.hyperpod.describe(cluster, instance)
+        except Exception as exc:  # botocore's errors are many; retried at the next resync
+            log.warning("DescribeClusterNode(%s, %s) failed: %s", cluster, instance, exc)
+            return None
+        boot = str((entry.get("intent") or {}).get("bootID") or "")
+        node = self.caches.nodes.get(None, action.target)
+        rebooted = bool(
+            kind == "reboot"
+            and boot
+            and node is not None
+            and ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID") not in ("", boot)
+        )
+        if took_effect(kind, described) or rebooted:
+            status = ((described or {}).get("InstanceStatus") or {}).get("Status", "NotFound")
+            message = (
+                f"found the {kind} of {instance} already requested before a restart "
+                f"(DescribeClusterNode: {status}); not calling again"
+            )
+            return self._remediated(kind, message)
+        age = self._clock() - parse_time(str(entry.get("at"))).timestamp()
+        if age < self.settings.remediation_verify_seconds:
+            return None  # SageMaker may not show it yet: ask again later, call nothing
+        log.warning(
+            "%s of %s recorded %.0f s ago shows no effect (DescribeClusterNode: Running); "
+            "calling again",
+            kind,
+            instance,
+            age,
+        )
+        return await self.take(incident, action, rules)
+
+    def forget(self, incident_ref: str) -> None:
+        """The incident's quarantines are decided: its reservations end."""
+        self._reserved.pop(incident_ref, None)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def _job(self, incident: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """The incident's job as it is now, or (None, why not)."""
+        ref = incident["spec"]["job"]
+        namespace = incident["metadata"]["namespace"]
+        plural = jobs.JOB_KINDS[(ref["apiVersion"], ref["kind"])]
+        try:
+            job = await self.kube.get_object(ref["apiVersion"], plural, namespace, ref["name"])
+        except ApiError as exc:
+            if is_not_found(exc):
+                return None, "the job no longer exists"
+            raise
+        if job["metadata"].get("uid") != ref["uid"]:
+            return None, "the job was deleted and recreated since the report"
+        return job, ""
+
+    async def _patch_job(self, job: dict[str, Any], patch: dict[str, Any]) -> None:
+        meta = job["metadata"]
+        plural = jobs.JOB_KINDS[(job["apiVersion"], job["kind"])]
+        written = await self.kube.patch_object(
+            job["apiVersion"], plural, meta["namespace"], meta["name"], patch
+        )
+        group = self.caches.jobs.get((job["apiVersion"], job["kind"]))
+        if group is not None:
+            group.upsert(written)
+
+    async def _suspend_job(self, incident: dict[str, Any]) -> Outcome:
+        job, why = await self._job(incident)
+        if job is None:
+            return Outcome("Skipped", why)
+        if jobs.is_kueue_managed(job):
+            done = await self._set_workloads_active(job, False)
+            if done is not None:
+                await self._emit(job, "SDCJobStopped", f"{done} ({_ref(incident)})", True)
+                return Outcome("Succeeded", done)
+        patch = jobs.suspend_patch(job)
+        if patch is None:
+            return Outcome("Succeeded", "runPolicy.suspend was already true")
+        await self._patch_job(job, patch)
+        message = f"set runPolicy.suspend=true: suspected silent data corruption ({_ref(incident)})"
+        await self._emit(job, "SDCJobSuspended", message, True)
+        return Outcome("Succeeded", "set runPolicy.suspend=true")
+
+    async def _resume_job(self, incident: dict[str, Any]) -> Outcome:
+        job, why = await self._job(incident)
+        if job is None:
+            return Outcome("Skipped", why, ("Resumed", "False", "JobGone", why))
+        last_clean = int(incident["spec"]["lastCleanStep"])
+        refusal = jobs.auto_resume_refusal(job)
+        if not self.settings.auto_resume:
+            refusal = ("AutoResumeOff", "automatic resume is off (HYPERPOD_SDC_AUTO_RESUME)")
+        checkpoint = jobs.newest_checkpoint(job, last_clean)
+        if refusal is None and checkpoint is None:
+            steps = [c["step"] for c in jobs.verified_checkpoints(job)]
+            refusal = (
+                "NoCleanCheckpoint",
+                f"no verified checkpoint at or before step {last_clean} was reported "
+                f"(verified checkpoints known: {steps or 'none'})",
+            )
+        patch = jobs.resume_env_patch(job, last_clean)
+        if patch is not None:  # the variable first, while the job is still suspended
+            await self._patch_job(job, patch)
+        if refusal is not None:
+            # The variable stays set: whoever restarts the job by hand restarts it from a
+            # clean checkpoint, or it fails loudly where none is old enough.
+            reason, why = refusal
+            message = (
+                f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean} set "
+                "so that a restart by hand starts from a clean checkpoint"
+            )
+            await self._emit(job, "SDCJobNotResumed", message, True)
+            return Outcome("Skipped", message, ("Resumed", "False", reason, message))
+        assert checkpoint is not None
+        how = "lifted runPolicy.suspend"
+        reactivated = (
+            await self._set_workloads_active(job, True) if jobs.is_kueue_managed(job) else None
+        )
+        if reactivated is not None:
+            how = reactivated
+        elif (unsuspend := jobs.unsuspend_patch(job)) is not None:
+            await self._patch_job(job, unsuspend)
+        message = (
+            f"set {RESUME_MAX_STEP_ENV}={last_clean} on every container and {how}; "
+            f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
+        )
+        await self._emit(job, "SDCJobResumed", message, False)
+        return Outcome(
+            "Succeeded",
+            message,
+            (
+                "Resumed",
+                "Unknown",
+                "Restarting",
+                "waiting for the job's agents to report the step they resumed from",
+            ),
+            {"resumeCheckpoint": checkpoint},
+        )
+
+    async def _set_workloads_active(self, job: dict[str, Any], active: bool) -> str | None:
+        """Deactivate (stop) or reactivate (resume) the Kueue Workloads the job owns; what
+        was done, or ``None`` when it owns none."""
+        owned = await self._workloads_of(job)
+        if not owned:
+            return None
+        for workload in owned:
+            patch = jobs.workload_active_patch(workload, active)
+            if patch is not None:
+                await self.kube.patch_object(
+                    jobs.KUEUE_WORKLOAD_API,
+                    jobs.KUEUE_WORKLOAD_PLURAL,
+                    job["metadata"]["namespace"],
+                    workload["metadata"]["name"],
+                    patch,
+                )
+        names = ", ".join(w["metadata"]["name"] for w in owned)
+        verb = "reactivated" if active else "deactivated"
+        return f"{verb} Kueue Workload {names} (spec.active={str(active).lower()})"
+
+    async def _workloads_of(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        """The Kueue Workloads the job owns; none where Kueue is not installed."""
+        try:
+            workloads = await self.kube.list_objects(
+                jobs.KUEUE_WORKLOAD_API, jobs.KUEUE_WORKLOAD_PLURAL, job["metadata"]["namespace"]
+            )
+        except ApiError as exc:
+            if is_not_found(exc):
+                return []
+            raise
+        uid = job["metadata"]["uid"]
+        return [
+            w
+            for w in workloads
+            if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])
+        ]
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    async def _node(self, name: str, *, fresh: bool = False) -> dict[str, Any] | None:
+        cached = None if fresh else self.caches.nodes.get(None, name)
+        if cached is not None:
+            return cached
+        try:
+            node = await self.kube.get_node(name)
+        except ApiError as exc:
+            if is_not_found(exc):
+                return None
+            raise
+        self.caches.nodes.upsert(node)
+        return node
+
+    async def _patch_node(
+        self,
+        name: str,
+        node: dict[str, Any],
+        compute: Callable[[dict[str, Any]], dict[str, Any] | None],
+    ) -> dict[str, Any] | None:
+        """Patch ``node`` with ``compute(node)`` under its ``resourceVersion``; on a conflict
+        read it again and compute again. The node as written, or ``None`` when nothing was
+        left to change."""
+        for _ in range(_NODE_CONFLICT_RETRIES):
+            patch = compute(node)
+            if patch is None:
+                return None
+            try:
+                written = await self.kube.patch_node(name, patch)
+            except ApiError as exc:
+                if not is_conflict(exc):
+                    raise
+                log.info("node %s changed since it was read; reading it again", name)
+                fresh = await self._node(name, fresh=True)
+                if fresh is None:
+                    raise
+                node = fresh
+                continue
+            self.caches.nodes.upsert(written)
+            return written
+        raise ApiError(409, f"node {name}: too many concurrent changes")
+
+    async def _quarantine_node(
+        self, incident: dict[str, Any], node_name: str, rules: Rules
+    ) -> Outcome:
+        ref = _ref(incident)
+        async with self._quarantine:
+            node = await self._node(node_name)
+            if node is None:
+                return Outcome("Skipped", f"node {node_name} no longer exists", reason="NodeGone")
+            if nodes.is_quarantined_for(node, ref):
+                return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
+            # All or nothing: the incident's remaining suspect nodes must fit under the caps
+            # together, so a cap never leaves an incident half quarantined.
+            planned = [
+                a.target
+                for a in incidents.planned_actions(incident, rules)
+                if a.action == "quarantine-node"
+            ]
+            remaining = set(planned) - set(incidents.quarantined_nodes(incident["status"]))
+            remaining.add(node_name)
+            refusal = self._over_cap(incident, node_name, remaining)
+            if refusal is not None:
+                self.forget(ref)
+                await self._emit(incident, "SDCQuarantineCapReached", refusal, True)
+                return Outcome("Skipped", refusal, reason="CapReached")
+            self._reserved[ref] = remaining
+            try:
+                written = await self._patch_node(
+                    node_name, node, lambda n: nodes.quarantine_patch(n, ref)
+                )
+            finally:
+                self._reserved[ref] = remaining - {node_name}
+        message = (
+            f"cordoned; taint {SUSPECT_KEY}=true:NoSchedule, label {SUSPECT_KEY}=true and "
+            f"annotation for incident {ref}"
+        )
+        if written is None:
+            return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
+        if (written["metadata"].get("annotations") or {}).get(nodes.PRIOR_CORDON_ANNOTATION):
+            message += " (it was cordoned already: a release leaves it cordoned)"
+        await self._emit(written, "SDCNodeQuarantined", message, True)
+        return Outcome("Succeeded", message)
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        return [
+            n
+            for n in self.caches.nodes.values()
+            if ((n.get("metadata") or {}).get("labels") or {}).get(SUSPECT_KEY) == "true"
+        ]
+
+    def _over_cap(self, incident: dict[str, Any], node_name: str, adding: set[str]) -> str | None:
+        """Why quarantining ``adding`` more nodes would break a cap, or ``None``."""
+        ref = _ref(incident)
+        quarantined = {n["metadata"]["name"]: n for n in self.quarantined()}
+        others = {node for holder, held in self._reserved.items() if holder != ref for node in held}
+        counted = set(quarantined) | others
+        new = adding - counted
+        total = len(self.caches.nodes.values())
+        cap = self.settings.quarantine_cap(total)
+        if len(counted) + len(new) > cap:
+            return (
+                f"not quarantining {node_name} ({len(adding)} suspect node(s)): {len(counted)} "
+                f"of {total} nodes are quarantined already, the cluster-wide cap is {cap} "
+                f"(HYPERPOD_SDC_MAX_QUARANTINED_NODES={self.settings.max_quarantined_nodes}); "
+                "a person must review"
+            )
+        uid = incident["spec"]["job"]["uid"]
+        namespace = incident["metadata"]["namespace"]
+
+        def of_job(holder: str) -> bool:
+            ns, _, name = holder.partition("/")
+            held_by = self.caches.incidents.get(ns, name)
+            return bool(held_by) and held_by["spec"]["job"]["uid"] == uid  # type: ignore[index]
+
+        mine = {
+            name
+            for name, n in quarantined.items()
+            if of_job((n["metadata"].get("annotations") or {}).get(INCIDENT_ANNOTATION, ""))
+        }
+        mine |= {
+            node
+            for holder, held in self._reserved.items()
+            if holder != ref and of_job(holder)
+            for node in held
+        }
+        if len(mine | adding) > self.settings.max_quarantined_per_job:
+            return (
+                f"not quarantining {node_name} ({len(adding)} suspect node(s)): job "
+                f"{namespace}/{incident['spec']['job']['name']} has {len(mine)} quarantined "
+                f"node(s), the cap per job is {self.settings.max_quarantined_per_job} "
+                "(HYPERPOD_SDC_MAX_QUARANTINED_PER_JOB)"
+            )
+        return None
+
+    async def _release(self, incident: dict[str, Any], node_name: str) -> Outcome:
+        ref = _ref(incident)
+        async with self._quarantine:
+            node = await self._node(node_name, fresh=True)  # managedFields: who cordoned it
+            if node is None:
+                return _released("Skipped", f"node {node_name} no longer exists")
+            annotations = node["metadata"].get("annotations") or {}
+            holder = annotations.get(INCIDENT_ANNOTATION, ref)
+            if holder != ref:
+                message = f"node {node_name} is held by incident {holder} now; left as it is"
+                return _released("Skipped", message)
+            written = await self._patch_node(node_name, node, nodes.release_patch)
+        after = written or node
+        kept = " (still cordoned: cordoned before the incident, or by someone else since)"
+        message = f"released {node_name} after review: our taint, label and annotation removed" + (
+            kept if (after.get("spec") or {}).get("unschedulable") else "; uncordoned"
+        )
+        await self._emit(after, "SDCNodeReleased", message, False)
+        return _released("Succeeded", message)
+
+    # -- remediation -----------------------------------------------------------------------
+
+    def _instance_of(self, incident: dict[str, Any], node_name: str) -> str | None:
+        return next(
+            (
+                s.get("instanceId")
+                for s in (incident.get("status") or {}).get("suspects") or []
+                if s.get("node") == node_name and s.get("instanceId")
+            ),
+            None,
+        )
+
+    def _where(
+        self, incident: dict[str, Any], node_name: str
+    ) -> tuple[str | None, str | None, str]:
+        """(cluster, instance id, why not) for a SageMaker call about ``node_name``."""
+        node = self.caches.nodes.get(None, node_name) or {}
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        cluster = labels.get(HYPERPOD_CLUSTER_LABEL) or self.settings.cluster_name
+        instance = self._instance_of(incident, node_name)
+        if not instance:
+            return cluster, None, "no instance id known"
+        if not cluster:
+            return (
+                None,
+                instance,
+                f"no {HYPERPOD_CLUSTER_LABEL} label and no HYPERPOD_SDC_CLUSTER_NAME",
+            )
+        return cluster, instance, ""
+
+    @staticmethod
+    def _remediated(kind: str, message: str) -> Outcome:
+        done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
+        return Outcome(
+            "Succeeded", message, ("Remediated", "True", done, message), {"phase": "Remediated"}
+        )
+
+    async def _remediate(self, incident: dict[str, Any], action: Action) -> Outcome:
+        kind = action.action.removesuffix("-node")  # reboot or replace
+        node_name = action.target
+        node = await self._node(node_name, fresh=True)
+        if node is None:  # replaced already, or gone: nothing left to do
+            message = f"node {node_name} no longer exists"
+            return Outcome("Skipped", message, ("Remediated", "True", "NodeGone", message))
+        if self.settings.remediation_method == "label":
+            await self._patch_node(node_name, node, lambda n: nodes.health_label_patch(n, kind))
+            value = nodes.HEALTH_LABEL_VALUES[kind]
+            message = (
+                f"labelled {node_name} {HYPERPOD_HEALTH_LABEL}={value} for HyperPod to {kind} it"
+            )
+        else:
+            cluster, instance, why = self._where(incident, node_name)
+            if why or self.hyperpod is None:
+                return _remediation_failed(
+                    f"cannot {kind} {node_name} through SageMaker: {why or 'no client'}"
+                )
+            assert cluster is not None and instance is not None
+            ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+            if not ok:
+                return _remediation_failed(message)
+        done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
+        await self._emit(node, f"SDCNode{done}", message, True)
+        return self._remediated(kind, message)

@@ -1,0 +1,302 @@
+"""Two replicas, one of which acts: leader election with a ``coordination.k8s.io/v1``
+Lease, the way client-go's leaderelection does it, and what the replicas tell each other.
+
+Why a Lease and not kopf's peering: every replica must serve the intake (the Service
+routes to either, and the admission webhook needs both) from watch-fed caches, and kopf's
+peering pauses all of a standby's watches, caches included. So kopf runs standalone in
+each replica, and this module decides which one acts (patches, SageMaker calls).
+
+- The leader renews the Lease every ``lease_seconds / 5``. If it cannot renew for
+  ``0.7 * lease_seconds`` it stops acting, before anyone else may take over.
+- A standby takes over when the Lease has not changed for ``lease_seconds`` on its own
+  clock (no clock comparison between machines), so at most ``lease_seconds`` plus one retry
+  after the leader died: 12 s with the default 10.
+- A replica that stops cleanly gives the Lease up, so a rolling update hands over at once.
+
+Each replica also keeps a member Lease (``<lease>-member-<hash of its name>``) that says,
+in an annotation, when it last heard a heartbeat from each job; the leader reads them to
+tell a silent job from one whose heartbeats went to the other replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import ApiError
+from .kube import Kube, is_conflict, is_not_found
+from .names import GROUP
+
+__all__ = ["LeaderElector", "Members", "micro_time"]
+
+log = logging.getLogger(__name__)
+COORDINATION = "coordination.k8s.io/v1"
+HEARTBEATS_ANNOTATION = f"{GROUP}/heartbeats"
+MEMBER_LABEL = f"{GROUP}/member-of"
+
+
+def micro_time(at: datetime | None = None) -> str:
+    return (at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        identity: str,
+        lease_seconds: float,
+        *,
+        on_start: Callable[[], None],
+        on_stop: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.name = name
+        self.identity = identity
+        self.lease_seconds = lease_seconds
+        self.retry_seconds = max(0.2, lease_seconds / 5)
+        self.renew_deadline = 0.7 * lease_seconds
+        self._on_start = on_start
+        self._on_stop = on_stop
+        self._clock = clock
+        self.is_leader = False
+        self.holder = ""
+        self._observed: tuple[str, str] | None = None
+        self._observed_at = 0.0
+        self._renewed_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="leader election")
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("leader election: %s", exc)
+            if self.is_leader and self._clock() - self._renewed_at > self.renew_deadline:
+                log.error(
+                    "leader election: could not renew the Lease %s/%s for %.1f s; no longer acting",
+                    self.namespace,
+                    self.name,
+                    self.renew_deadline,
+                )
+                self._lose()
+            await asyncio.sleep(self.retry_seconds)
+
+    def _spec(self, transitions: int, acquired: str | None = None) -> dict[str, Any]:
+        now = micro_time()
+        return {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": max(1, round(self.lease_seconds)),
+            "acquireTime": acquired or now,
+            "renewTime": now,
+            "leaseTransitions": transitions,
+        }
+
+    async def step(self) -> None:
+        try:
+            lease = await self.kube.get(COORDINATION, "leases", self.namespace, self.name)
+        except ApiError as exc:
+            if not is_not_found(exc):
+                raise
+            body = {
+                "apiVersion": COORDINATION,
+                "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": self._spec(0),
+            }
+            try:
+                await self.kube.create(COORDINATION, "leases", self.namespace, body)
+            except ApiError as exc2:
+                if is_conflict(exc2):
+                    return
+                raise
+            self._win()
+            return
+        spec = lease.get("spec") or {}
+        holder = str(spec.get("holderIdentity") or "")
+        self.holder = holder
+        record = (holder, str(spec.get("renewTime") or ""))
+        now = self._clock()
+        if record != self._observed:
+            self._observed, self._observed_at = record, now
+        duration = float(spec.get("leaseDurationSeconds") or self.lease_seconds)
+        transitions = int(spec.get("leaseTransitions") or 0)
+        if holder == self.identity:
+            lease["spec"] = self._spec(transitions, spec.get("acquireTime"))
+        elif not holder or now - self._observed_at > duration:
+            lease["spec"] = self._spec(transitions + 1)
+            log.info(
+                "leader election: taking over the Lease %s/%s from %s",
+                self.namespace,
+                self.name,
+                holder or "nobody",
+            )
+        else:
+            if self.is_leader:
+                self._lose()
+            return
+        try:
+            await self.kube.replace(COORDINATION, "leases", self.namespace, lease)
+        except ApiError as exc:
+            if is_conflict(exc):  # someone else renewed or took it first
+                return
+            raise
+        self._win()
+
+    def _win(self) -> None:
+        self._renewed_at = self._clock()
+        self.holder = self.identity
+        if not self.is_leader:
+            self.is_leader = True
+            log.warning("leader election: %s is the leader: acting on the cluster", self.identity)
+            self._on_start()
+
+    def _lose(self) -> None:
+        if self.is_leader:
+            self.is_leader = False
+            log.warning("leader election: %s is a standby: serving, not acting", self.identity)
+            self._on_stop()
+
+    async def stop(self) -> None:
+        """Stop, and give the Lease up if held so a standby takes over at once."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if not self.is_leader:
+            return
+        self._lose()
+        try:
+            lease = await self.kube.get(COORDINATION, "leases", self.namespace, self.name)
+            if (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+                lease["spec"]["holderIdentity"] = ""
+                lease["spec"]["leaseDurationSeconds"] = 1
+                await self.kube.replace(COORDINATION, "leases", self.namespace, lease)
+        except ApiError as exc:
+            log.warning("leader election: could not give the Lease up: %s", exc)
+
+
+class Members:
+    """This replica's member Lease, and what the others published in theirs."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        lease_name: str,
+        identity: str,
+        *,
+        last_seen: Callable[[], dict[str, float]],
+        stale_seconds: float = 600.0,
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.lease_name = lease_name
+        self.identity = identity
+        self.name = (
+            f"{lease_name[:200]}-member-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+        )
+        self._last_seen = last_seen
+        self.stale_seconds = stale_seconds
+        self._version = ""
+
+    async def publish(self) -> None:
+        body: dict[str, Any] = {
+            "apiVersion": COORDINATION,
+            "kind": "Lease",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {MEMBER_LABEL: self.lease_name[:63]},
+                "annotations": {
+                    HEARTBEATS_ANNOTATION: json.dumps(
+                        {k: round(v, 1) for k, v in self._last_seen().items()},
+                        separators=(",", ":"),
+                    )
+                },
+            },
+            "spec": {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": round(self.stale_seconds),
+                "renewTime": micro_time(),
+            },
+        }
+        if self._version:  # one request in the common case: our own last write's version
+            body["metadata"]["resourceVersion"] = self._version
+            try:
+                written = await self.kube.replace(COORDINATION, "leases", self.namespace, body)
+                self._version = written["metadata"]["resourceVersion"]
+                return
+            except ApiError as exc:
+                if not (is_conflict(exc) or is_not_found(exc)):
+                    raise
+        try:
+            current = await self.kube.get(COORDINATION, "leases", self.namespace, self.name)
+        except ApiError as exc:
+            if not is_not_found(exc):
+                raise
+            body["metadata"].pop("resourceVersion", None)
+            written = await self.kube.create(COORDINATION, "leases", self.namespace, body)
+            self._version = written["metadata"]["resourceVersion"]
+            return
+        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        written = await self.kube.replace(COORDINATION, "leases", self.namespace, body)
+        self._version = written["metadata"]["resourceVersion"]
+
+    async def peers(self, prune: bool = False) -> dict[str, float]:
+        """The newest time any other replica heard from each job; with ``prune``, member
+        Leases of replicas gone for ``stale_seconds`` are deleted."""
+        found = await self.kube.list_all(
+            COORDINATION,
+            "leases",
+            self.namespace,
+            label_selector=f"{MEMBER_LABEL}={self.lease_name[:63]}",
+        )
+        merged: dict[str, float] = {}
+        now = datetime.now(timezone.utc)
+        for lease in found:
+            meta = lease.get("metadata") or {}
+            if meta.get("name") == self.name:
+                continue
+            renewed = str((lease.get("spec") or {}).get("renewTime") or "")
+            try:
+                age = (
+                    now
+                    - datetime.strptime(renewed, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+                        tzinfo=timezone.utc
+                    )
+                ).total_seconds()
+            except ValueError:
+                age = float("inf")
+            if age > self.stale_seconds:
+                if prune:
+                    try:
+                        await self.kube.delete(COORDINATION, "leases", self.namespace, meta["name"])
+                    except ApiError as exc:
+                        log.info(
+                            "could not delete the stale member Lease %s: %s", meta["name"], exc
+                        )
+                continue
+            try:
+                seen = json.loads((meta.get("annotations") or {}).get(HEARTBEATS_ANNOTATION, "{}"))
+            except ValueError:
+                continue
+            if not isinstance(seen, dict):
+                continue
+            for job, at in seen.items():
+                if isinstance(at, int | float):
+                    merged[job] = max(merged.get(job, 0.0), float(at))
+        return merged

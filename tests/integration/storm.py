@@ -1,0 +1,270 @@
+"""A detection storm: one job of N nodes whose agents all report at the same moment, each
+on its own connection with the agent's timeout (5 s) and back-off, against the operator
+as a real process. Used by tests/integration/test_scale.py and bench/operator_scale.py.
+
+The senders behave as :class:`sdc_agent.reporter.Reporter` does (HTTP POST, 5 s timeout,
+retries of 408, 429, 5xx and connection errors after a full-jitter back-off from 0.5 s,
+doubling), and record every attempt, which the Reporter does not expose.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import watch
+
+from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+
+from .cluster import Cluster
+from .test_containment import Job, verdict
+
+TIMEOUT_SECONDS = 5.0
+"""The agent's own per-request timeout (ReporterConfig.timeout_seconds)."""
+
+
+@dataclass
+class Sender:
+    """One node's agent: its attempts as (status or exception name, seconds)."""
+
+    attempts: list[tuple[str, float]] = field(default_factory=list)
+    delivered_at: float | None = None
+
+
+def job_of(cluster: Cluster, namespace: str, nodes: int) -> tuple[Job, list[str]]:
+    """A job of ``nodes`` pods, one per new node, attested; and each pod's token."""
+    created = [cluster.node() for _ in range(nodes)]
+    body = cluster.job(namespace, "storm", replicas=nodes)
+    pods = ["storm-master-0"] + [f"storm-worker-{i}" for i in range(nodes - 1)]
+    for pod, node in zip(pods, created, strict=True):
+        cluster.pod(namespace, pod, node["metadata"]["name"], body)
+    job = Job(namespace, "storm", body, created, pods)
+    return job, [cluster.token(namespace, pod) for pod in pods]
+
+
+def _send(url: str, body: bytes, token: str, sender: Sender, start: threading.Event) -> None:
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname and parts.port
+    start.wait()
+    attempt = 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        began = time.monotonic()
+        outcome = ""
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT_SECONDS)
+        try:
+            conn.request(
+                "POST",
+                "/v1/reports",
+                body=body,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+            )
+            response = conn.getresponse()
+            response.read()
+            outcome = str(response.status)
+        except (OSError, http.client.HTTPException) as exc:
+            outcome = type(exc).__name__
+        finally:
+            conn.close()
+        sender.attempts.append((outcome, time.monotonic() - began))
+        if outcome.isdigit() and int(outcome) < 300:
+            sender.delivered_at = time.monotonic()
+            return
+        if outcome.isdigit() and int(outcome) not in (408, 429) and int(outcome) < 500:
+            return  # refused: the agent does not retry
+        time.sleep(random.uniform(0, min(30.0, 0.5 * 2**attempt)))
+        attempt += 1
+
+
+def burst(url: str, bodies: list[bytes], tokens: list[str]) -> tuple[list[Sender], float]:
+    """Every body sent at once, each from its own thread and connection; the senders and
+    the monotonic time they were released."""
+    start = threading.Event()
+    senders = [Sender() for _ in bodies]
+    threads = [
+        threading.Thread(target=_send, args=(url, b, t, s, start), daemon=True)
+        for b, t, s in zip(bodies, tokens, senders, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # every thread waiting at the line
+    released = time.monotonic()
+    start.set()
+    for thread in threads:
+        thread.join(150)
+    return senders, released
+
+
+def heartbeats(job: Job) -> list[bytes]:
+    return [
+        encode_report(
+            HeartbeatReport(
+                ReporterIdentity(i, job.node_name(i), job.pods[i]),
+                time.time(),
+                120,
+                100,
+                check_seconds={"replay": 0.2},
+                interval_seconds=2.0,
+            )
+        )
+        for i in range(len(job.pods))
+    ]
+
+
+def verdicts(job: Job, reporters: list[int], suspect: int, step: int = 15) -> list[bytes]:
+    """The verdict every node computes at ``step`` (``suspect``'s second GPU is wrong), as
+    sent by ``reporters`` (node indexes)."""
+    return [
+        encode_report(verdict(job, i, suspect, step=step, last_clean=step - 5)) for i in reporters
+    ]
+
+
+def elected(nodes: int, suspect: int) -> list[int]:
+    """Who reports a verdict when the agents elect reporters (3 by default): the suspect's
+    replay partners on either side and a witness, never the suspect itself."""
+    chosen = []
+    for candidate in (suspect - 1, suspect + 1, suspect + 2, suspect - 2):
+        index = candidate % nodes
+        if index != suspect and index not in chosen:
+            chosen.append(index)
+    return chosen[:3]
+
+
+class Contained:
+    """Watches the storm job's incidents; ``at`` is when one of detection step ``step``
+    was first seen Contained."""
+
+    def __init__(self, cluster: Cluster, namespace: str, step: int = 15) -> None:
+        self.step = step
+        self.at: float | None = None
+        self.incident: dict[str, Any] | None = None
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(cluster, namespace), daemon=True)
+        self._thread.start()
+        time.sleep(0.3)
+
+    def _run(self, cluster: Cluster, namespace: str) -> None:
+        for event in self._watch.stream(
+            cluster.custom.list_namespaced_custom_object,
+            "hyperpod-sdc.dev",
+            "v1alpha1",
+            namespace,
+            "sdcincidents",
+            timeout_seconds=300,
+        ):
+            obj = event["object"]
+            if (obj.get("status") or {}).get("phase") == "Contained" and obj["spec"][
+                "detectionStep"
+            ] == self.step:
+                self.at = time.monotonic()
+                self.incident = obj
+                self._watch.stop()
+                return
+
+    def wait(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        self._watch.stop()
+        return self.at
+
+
+class HealthProbe:
+    """Polls ``/healthz`` every 50 ms; ``worst`` is the slowest answer (seconds)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst = 0.0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=10) as response:
+                    response.read()
+            except OSError:
+                self.failures += 1
+            self.worst = max(self.worst, time.monotonic() - began)
+            self._stop.wait(0.05)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join(15)
+        return self.worst
+
+
+def operator_api_requests(metrics: str) -> float:
+    """Requests the operator made to the API server (its own counter), watches and the
+    leader election left out."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if (
+            line.startswith("hyperpod_sdc_api_requests_total{")
+            and 'verb="watch"' not in line
+            and 'client="election"' not in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def apiserver_requests(cluster: Cluster) -> float:
+    """The API server's own count of the requests it served, watches left out."""
+    response = cluster.api.call_api(
+        "/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False
+    )
+    response = response[0] if isinstance(response, tuple) else response
+    total = 0.0
+    for line in response.data.decode().splitlines():
+        if line.startswith("apiserver_request_total{") and 'verb="WATCH"' not in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def rss_peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def summary(senders: list[Sender]) -> dict[str, Any]:
+    firsts = [s.attempts[0] for s in senders if s.attempts]
+    first_ok = [t for o, t in firsts if o.isdigit() and int(o) < 300]
+    latencies = sorted(t for _, t in firsts)
+    outcomes: dict[str, int] = {}
+    for o, _ in firsts:
+        outcomes[o] = outcomes.get(o, 0) + 1
+    return {
+        "senders": len(senders),
+        "first_attempt_outcomes": outcomes,
+        "first_attempt_accepted": len(first_ok),
+        "first_attempt_p50_s": round(latencies[len(latencies) // 2], 4) if latencies else None,
+        "first_attempt_p99_s": round(
+            latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 4
+        )
+        if latencies
+        else None,
+        "attempts": sum(len(s.attempts) for s in senders),
+        "delivered": sum(1 for s in senders if s.delivered_at is not None),
+    }
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)

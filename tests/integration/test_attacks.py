@@ -1,0 +1,269 @@
+"""The attack run, against the operator as a real process: a hostile tenant, a slow or
+broken client. Each case is refused with a JSON 4xx, logged at INFO at most, and changes
+nothing in the cluster."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
+
+from .cluster import TRAINING_OPERATOR, Cluster, OperatorProcess, post, wait_for
+from .test_containment import Job, make_job, send, verdict
+from .test_intake import snapshot
+
+
+def raw(url: str, data: bytes, *, wait: float = 10.0) -> tuple[int, dict[str, Any]]:
+    """Send ``data`` as it is on a new connection; the status and JSON body answered."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+def heartbeat(job: Job, i: int = 0) -> bytes:
+    return encode_report(
+        HeartbeatReport(ReporterIdentity(i * 2, job.node_name(i), job.pods[i]), time.time(), 20, 10)
+    )
+
+
+def assert_quiet(op: OperatorProcess) -> None:
+    log = op.log()
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_namespace_no_policy_admits_is_refused_and_changes_nothing(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    other = cluster.namespace(admitted=False)
+    job = make_job(cluster, other)
+    op = start_operator(namespaces=f"{namespace},{other}")
+    before = snapshot(cluster, job)
+    for reporter in (0, 2):
+        status, answer, _ = send(cluster, op, job, reporter, verdict(job, reporter))
+        assert (status, answer["error"]) == (403, "namespace_not_admitted"), answer
+        assert f"namespace {other} is not admitted by any SDCPolicy" in answer["message"]
+    assert snapshot(cluster, job) == before
+    # An admin admits it by label: reports are heard at once (the policy is watched) ...
+    label = f"team-{other}"
+    cluster.policy(f"by-label-{other}", {"namespaceSelector": {"matchLabels": {"sdc": label}}})
+    cluster.core.patch_namespace(other, {"metadata": {"labels": {"sdc": label}}})
+    token = cluster.token(other, job.pods[0])
+    wait_for("admission by label", lambda: post(op.url, heartbeat(job), token)[0] == 202)
+    # ... and no longer once the label is gone.
+    cluster.core.patch_namespace(other, {"metadata": {"labels": {"sdc": None}}})
+    wait_for("refusal again", lambda: post(op.url, heartbeat(job), token)[0] == 403)
+    assert snapshot(cluster, job)[1:] == before[1:]
+    assert_quiet(op)
+
+
+def test_pods_made_by_hand_for_a_job_accuse_nobody(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """A tenant who may create pods points them at an opted-in job (a controller owner
+    reference) on nodes the job never used: their tokens are refused, and a genuine
+    reporter naming one of them as a suspect is refused too."""
+    job = make_job(cluster, namespace)
+    body = cluster.job(namespace, "big", replicas=6)  # three of six pods made so far
+    nodes = [cluster.node() for _ in range(5)]
+    names = ["big-master-0", "big-worker-0", "big-worker-1"]
+    for pod, node in zip(names, nodes, strict=False):
+        cluster.pod(namespace, pod, node["metadata"]["name"], body)
+    genuine = Job(namespace, "big", body, nodes[:3], names)
+    copied = cluster.core.read_namespaced_pod("big-worker-1", namespace).metadata.annotations
+    forged = {
+        "no attestation": (nodes[3], {}),
+        "a copied attestation": (nodes[4], copied),
+        "a made-up attestation": (
+            nodes[3],
+            {CREATED_BY_ANNOTATION: TRAINING_OPERATOR, ATTESTATION_ANNOTATION: "v1:AAAA"},
+        ),
+    }
+    op = start_operator()
+    before = [snapshot(cluster, j) for j in (job, genuine)]
+    for i, (what, (node, written)) in enumerate(forged.items()):
+        name = f"big-worker-{2 + i}"  # a name the job's next pods would have
+        cluster.pod(
+            namespace, name, node["metadata"]["name"], body, attested=False, annotations=written
+        )
+        fake = Job(namespace, "big", body, [*nodes[:3], node], [*names, name])
+        report = verdict(fake, 3, suspect_node=1)
+        status, answer, _ = send(cluster, op, fake, 3, report)
+        assert (status, answer["error"]) == (403, "not_attested"), (what, answer)
+        # the genuine pods name the hand-made one as the suspect
+        for reporter in (0, 2):
+            status, answer, _ = send(cluster, op, fake, reporter, verdict(fake, reporter, 3))
+            assert (status, answer["error"]) == (422, "unknown_suspect"), (what, answer)
+            assert f"suspects[0]: pod {namespace}/{name}" in answer["message"]
+    # A genuine pod deleted and made again by hand under its name, with its attestation
+    # copied, but without the labels that send pods to the webhook (so the webhook never
+    # stripped the copy): the HMAC fits, the pod still accuses nobody.
+    cluster.core.delete_namespaced_pod("big-worker-1", namespace, grace_period_seconds=0)
+    wait_for(
+        "the pod to go",
+        lambda: (
+            "big-worker-1"
+            not in [p.metadata.name for p in cluster.core.list_namespaced_pod(namespace).items]
+        ),
+    )
+    cluster.pod(
+        namespace,
+        "big-worker-1",
+        nodes[4]["metadata"]["name"],
+        body,
+        attested=False,
+        annotations=copied,
+    )
+    status, answer, _ = send(cluster, op, genuine, 2, verdict(genuine, 2, suspect_node=1))
+    assert (status, answer["error"]) == (403, "not_attested"), answer
+    assert "labels the admission webhook selects" in answer["message"]
+    assert [snapshot(cluster, j) for j in (job,)] == before[:1]
+    assert cluster.incidents(namespace) == []
+    op.stop()
+
+    # Without the webhook (attestation off) the names still have to fit the job.
+    op = start_operator(require_attestation="false")
+    for i, name in enumerate(["evil-0", "big-worker-9", "big-launcher-0"]):  # worker x5
+        cluster.pod(namespace, name, nodes[3 + i % 2]["metadata"]["name"], body, attested=False)
+        fake = Job(namespace, "big", body, [*nodes[:3], nodes[3 + i % 2]], [*names, name])
+        status, answer, _ = send(cluster, op, fake, 3, verdict(fake, 3, suspect_node=1))
+        assert (status, answer["error"]) == (403, "not_a_job_pod"), (name, answer)
+    assert [snapshot(cluster, j) for j in (job, genuine)] == before
+    assert_quiet(op)
+
+
+def test_slow_clients_are_cut_off(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator(header_timeout_seconds="2", body_timeout_seconds="2")
+    host, port = op.url.rsplit("/", 1)[-1].split(":")
+    head = (
+        f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {cluster.token(namespace, job.pods[0])}\r\n"
+    ).encode()
+    # 50 clients that send their headers one byte at a time
+    slow = [socket.create_connection((host, int(port))) for _ in range(50)]
+    opened = time.monotonic()
+    closed: dict[int, float] = {}
+    sent = 0
+    while len(closed) < len(slow) and time.monotonic() - opened < 15:
+        for i, sock in enumerate(slow):
+            if i in closed:
+                continue
+            readable, _, _ = select.select([sock], [], [], 0)
+            try:
+                if readable and not sock.recv(4096):
+                    raise ConnectionResetError
+                sock.send(head[sent % len(head) : sent % len(head) + 1])
+            except OSError:
+                closed[i] = time.monotonic() - opened
+        sent += 1
+        time.sleep(0.05)
+    for sock in slow:
+        sock.close()
+    assert len(closed) == 50, f"{50 - len(closed)} slow clients still open after 15 s"
+    assert max(closed.values()) < 6, sorted(closed.values())[-5:]
+
+    # a body that trickles in is answered 408, as JSON
+    body = heartbeat(job)
+    answer: dict[str, Any] = {}
+
+    def trickle() -> None:
+        with socket.create_connection((host, int(port)), timeout=15) as sock:
+            sock.sendall(head + f"Content-Length: {len(body)}\r\n\r\n".encode())
+            for i in range(0, len(body) - 1, 5):
+                if select.select([sock], [], [], 0.3)[0]:
+                    break  # answered
+                try:
+                    sock.sendall(body[i : i + 5])
+                except OSError:
+                    break
+            data = sock.recv(65536)
+            status_line, _, rest = data.partition(b"\r\n")
+            answer.update(
+                status=int(status_line.split()[1]), body=json.loads(rest.split(b"\r\n\r\n")[1])
+            )
+
+    started = time.monotonic()
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    time.sleep(0.5)
+    # meanwhile the operator answers everyone else at once
+    assert post(op.url, heartbeat(job, 2), cluster.token(namespace, job.pods[2]))[0] == 202
+    thread.join()
+    assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
+    assert time.monotonic() - started < 6
+    assert_quiet(op)
+
+
+def test_every_refusal_is_json_and_logged_at_most_at_info(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    host = op.url.rsplit("/", 1)[-1]
+
+    def request(method: str, path: str, headers: str = "", body: bytes = b"") -> bytes:
+        return (
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    cases = [
+        # (what, bytes sent, status, error)
+        (
+            "a token over the header limit",
+            request("POST", "/v1/reports", f"Authorization: Bearer {'x' * 40_000}\r\n"),
+            431,
+            "headers_too_large",
+        ),
+        (
+            "a token over the token limit",
+            request(
+                "POST",
+                "/v1/reports",
+                f"Authorization: Bearer {'x' * 20_000}\r\nContent-Type: application/json\r\n",
+                b"{}",
+            ),
+            401,
+            "unauthenticated",
+        ),
+        ("an unknown path", request("GET", "/admin"), 404, "not_found"),
+        ("the wrong method", request("GET", "/v1/reports"), 405, "method_not_allowed"),
+        (
+            "not HTTP at all",
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,
+            400,
+            "bad_http",
+        ),
+    ]
+    for what, data, status, error in cases:
+        got, answer = raw(op.url, data)
+        assert (got, answer.get("error")) == (status, error), (what, got, answer)
+        assert answer.get("message"), what
+    # a deleted pod's fresh token: the API server rejects a token whose pod is gone (401)
+    cluster.pod(namespace, "train-worker-7", job.node_name(0), job.body)
+    token = cluster.token(namespace, "train-worker-7")
+    cluster.core.delete_namespaced_pod("train-worker-7", namespace, grace_period_seconds=0)
+    wait_for(
+        "the pod gone",
+        lambda: (
+            "train-worker-7"
+            not in {p.metadata.name for p in cluster.core.list_namespaced_pod(namespace).items}
+        ),
+    )
+    status, answer, _ = post(op.url, heartbeat(job), token)
+    assert (status, answer["error"]) == (401, "unauthenticated"), answer
+    assert_quiet(op)

@@ -1,0 +1,81 @@
+"""Two operator replicas: both serve and record, the elected one acts; the leader killed
+in the middle of an incident, the standby takes over within 15 s and finishes it, each
+action once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .cluster import Cluster, OperatorProcess, wait_for
+from .fake_sagemaker import FakeSageMaker
+from .test_containment import make_job, send, verdict
+
+CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}
+REPLACE = "BatchReplaceClusterNodes"
+
+
+def leads(op: OperatorProcess) -> bool:
+    return "hyperpod_sdc_leader 1.0" in op.metrics()
+
+
+def test_the_standby_records_and_takes_over_within_15_s_finishing_the_incident_once(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    cluster.admit(namespace, remediationPolicy="auto-replace")
+    called, answer = threading.Event(), threading.Event()
+
+    def hold(operation: str, params: dict[str, Any]) -> None:
+        if operation == REPLACE:
+            called.set()
+            answer.wait(30)
+
+    fake = FakeSageMaker(on_call=hold)
+    try:
+        settings: dict[str, Any] = {
+            "extra_env": fake.env(),
+            "remediation_policy": "auto-replace",
+        }
+        first = start_operator(**settings)
+        wait_for("a leader", lambda: leads(first))
+        second = start_operator(**settings)
+        time.sleep(2)  # a few election rounds: the second stays standby
+        assert not leads(second)
+        # one report to each replica: the standby's is recorded, not lost
+        assert send(cluster, first, job, 0, verdict(job, 0))[0] == 202
+        status, body, _ = send(cluster, second, job, 2, verdict(job, 2))
+        assert (status, body["phase"]) == (202, "Detected"), body
+        assert called.wait(30), "the leader never asked SageMaker to replace the node"
+        actions = cluster.incidents(namespace)[0]["status"]["actions"]
+        assert [a["action"] for a in actions][:2] == ["suspend-job", "quarantine-node"]
+        first.kill()  # SIGKILL with the replace in flight
+        killed = time.monotonic()
+        answer.set()
+        wait_for("the standby to lead", lambda: leads(second), timeout=20)
+        took_over = time.monotonic() - killed
+        incident = wait_for(
+            "Remediated",
+            lambda: next(
+                (
+                    i
+                    for i in cluster.incidents(namespace)
+                    if i["status"].get("phase") == "Remediated"
+                ),
+                None,
+            ),
+        )
+        time.sleep(2)
+    finally:
+        answer.set()
+        fake.stop()
+    assert fake.invalid == []
+    assert took_over < 15, f"the standby took over after {took_over:.1f} s"
+    assert fake.count(REPLACE) == 1
+    results = [(a["action"], a["result"]) for a in incident["status"]["actions"]]
+    assert results.count(("replace-node", "Succeeded")) == 1
+    assert results.count(("suspend-job", "Succeeded")) == 1
+    assert results.count(("quarantine-node", "Succeeded")) == 1
+    print(f"standby took over {took_over:.1f} s after the leader was killed")

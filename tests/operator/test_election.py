@@ -1,0 +1,137 @@
+"""Leader election against a fake Lease store with a fake clock, and what heartbeats
+become: silence, across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from sdc_agent.protocol import HeartbeatReport, ReporterIdentity
+from sdc_operator.errors import ApiError
+from sdc_operator.heartbeats import Heartbeats
+from sdc_operator.incidents import JobRef
+from sdc_operator.leader import LeaderElector
+from sdc_operator.metrics import Metrics
+
+
+class Leases:
+    """One Lease with resourceVersion preconditions, as the API server keeps it."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+        self.down = False
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
+        if self.down:
+            raise ApiError(0, "unreachable")
+        if self.lease is None:
+            raise ApiError(404, "not found")
+        return copy.deepcopy(self.lease)
+
+    async def create(self, api_version: str, plural: str, namespace: str | None, body: Any) -> Any:
+        if self.lease is not None:
+            raise ApiError(409, "exists")
+        self.version += 1
+        self.lease = {
+            **body,
+            "metadata": {**body["metadata"], "resourceVersion": str(self.version)},
+        }
+        return self.lease
+
+    async def replace(self, api_version: str, plural: str, namespace: str | None, body: Any) -> Any:
+        if self.down:
+            raise ApiError(0, "unreachable")
+        assert self.lease is not None
+        if body["metadata"]["resourceVersion"] != self.lease["metadata"]["resourceVersion"]:
+            raise ApiError(409, "conflict")
+        self.version += 1
+        self.lease = {
+            **body,
+            "metadata": {**body["metadata"], "resourceVersion": str(self.version)},
+        }
+        return self.lease
+
+
+def elector(store: Leases, identity: str, now: list[float], log: list[str]) -> LeaderElector:
+    return LeaderElector(
+        store,  # type: ignore[arg-type]
+        "hyperpod-sdc",
+        "leader",
+        identity,
+        8.0,
+        on_start=lambda: log.append(f"{identity} leads"),
+        on_stop=lambda: log.append(f"{identity} follows"),
+        clock=lambda: now[0],
+    )
+
+
+def test_one_leads_the_other_takes_over_only_after_the_lease_runs_out() -> None:
+    store, now = Leases(), [0.0]
+    log: list[str] = []
+    a, b = elector(store, "a", now, log), elector(store, "b", now, log)
+
+    async def rounds(until: float, *who: LeaderElector) -> None:
+        while now[0] < until:
+            for e in who:
+                await e.step()
+            now[0] += a.retry_seconds
+
+    asyncio.run(rounds(10, a, b))
+    assert (a.is_leader, b.is_leader) == (True, False)
+    assert log == ["a leads"]
+    # a dies: b waits for the Lease to run out on its own clock, then leads
+    died = now[0]
+    asyncio.run(rounds(died + 7.9, b))
+    assert not b.is_leader
+    asyncio.run(rounds(died + 12.0, b))
+    assert b.is_leader and log == ["a leads", "b leads"]
+    assert store.lease is not None and store.lease["spec"]["leaseTransitions"] == 1
+
+
+def test_a_leader_that_cannot_renew_stops_acting_before_anyone_may_take_over() -> None:
+    store, now = Leases(), [0.0]
+    log: list[str] = []
+    a = elector(store, "a", now, log)
+    asyncio.run(a.step())
+    assert a.is_leader
+    store.down = True
+
+    async def loop_for(seconds: float) -> None:
+        task = asyncio.ensure_future(a.run())
+        end = now[0] + seconds
+        while now[0] < end:
+            await asyncio.sleep(0)
+            now[0] += 0.01
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    a.retry_seconds = 0.0
+    asyncio.run(loop_for(5.7))
+    assert not a.is_leader, "still acting 5.7 s without renewing an 8 s Lease"
+    assert log == ["a leads", "a follows"]
+
+
+def test_silence_is_decided_on_what_either_replica_heard() -> None:
+    now = [1000.0]
+    beats = Heartbeats(Metrics(), clock=lambda: now[0])
+    job = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "train", "u1")
+    report = HeartbeatReport(ReporterIdentity(0, "n0", "p0"), 1000.0, 120, 100, interval_seconds=30)
+    beats.observe(job, "n0", report)
+    now[0] = 1000.0 + 120  # past the floor (100 s) but not past 3 intervals (90 s)? both: 120
+    went, came = beats.silent(100.0, {}, lambda _: True)
+    assert [b.job.name for b in went] == ["train"]
+    # the other replica heard from the job recently: not silent
+    beats2 = Heartbeats(Metrics(), clock=lambda: now[0])
+    beats2.observe(job, "n0", report)
+    went, _ = beats2.silent(100.0, {"ml/u1": now[0] - 5}, lambda _: True)
+    assert went == []
+    # heard again
+    beats.observe(job, "n0", report)
+    went, came = beats.silent(100.0, {}, lambda _: True)
+    assert (went, [b.job.name for b in came]) == ([], ["train"])
+    # a job that is not running any more is forgotten, never silent
+    now[0] += 1000
+    went, _ = beats.silent(100.0, {}, lambda _: False)
+    assert went == [] and beats.jobs == {}
