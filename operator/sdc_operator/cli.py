@@ -191,6 +191,13 @@ def review_refusal(
         )
     if phase == "Detected":
         return "containment is still in progress (phase Detected): try again in a few seconds"
+    if phase in ("Transient", "AwaitingEvidence"):
+        why = (
+            "one glitch: nothing is quarantined unless the same node is caught again"
+            if phase == "Transient"
+            else "the verdict is not corroborated yet: nothing is quarantined until it is"
+        )
+        return f"the incident is held ({phase}, {why}): nothing to {verb}"
     if phase == "NotHardware":
         classification = (incident.get("spec") or {}).get("classification")
         return (
@@ -258,6 +265,7 @@ def render_describe(incident: Mapping[str, Any], events: Sequence[Mapping[str, A
         f"{spec.get('detectionStep')}",
         f"Phase:       {status.get('phase', '-')}",
         f"Message:     {spec.get('message', '')}",
+        *([f"Guidance:    {status['message']}"] if status.get("message") else []),
         "",
         "Suspects:",
     ]

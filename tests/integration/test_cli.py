@@ -292,6 +292,8 @@ def test_approve_records_the_decision_once_and_refuses_to_change_a_pending_one(
     [
         ("WaitingForAgreement", False, None, "replace", "waiting for agreement"),
         ("Detected", False, None, "replace", "still in progress"),
+        ("Transient", False, None, "replace", "held (Transient"),
+        ("AwaitingEvidence", False, None, "release", "held (AwaitingEvidence"),
         ("NotHardware", False, None, "release", "does not accuse hardware"),
         ("DryRun", False, None, "replace", "dry-run"),
         ("Released", True, None, "replace", "already released"),

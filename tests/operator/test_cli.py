@@ -90,6 +90,10 @@ def test_review_rules() -> None:
     pending["status"]["phase"] = "Remediated"
     assert review_refusal(pending, "replace") is None
     assert "already requested" in (review_refusal(pending, "reboot") or "")
+    held = incident("Transient", message="a transient fault: run a confirmation to be sure")
+    held["status"]["actions"] = []
+    assert "held (Transient" in (review_refusal(held, "replace") or "")
+    assert "Guidance:    a transient fault: run a confirmation" in render_describe(held, [])
     nothing = incident("Contained")
     nothing["status"]["actions"] = []
     assert "no node was quarantined" in (review_refusal(nothing, "release") or "")
