@@ -1,26 +1,42 @@
 """Per-step cost of the Guard against plain DDP, measured side by side.
 
-Prints JSON. By default two gloo ranks on CPU (one thread each) train the same ~10 M
-parameter MLP with Adam, once per variant; the variants take turns one step at a time, so
-machine noise hits them alike, and each variant's periodic checks are amortized over its
-own steps. ``overhead`` = mean guarded step time / mean plain step time - 1.
+Prints JSON. By default two gloo ranks on CPU (one thread each) train two models, once
+per variant: the ~10 M-parameter MLP and a small GPT-2 (``transformers``, random weights
+from a ``GPT2Config``, nothing downloaded), both with fused Adam. The variants of a model
+take turns one step at a time, so machine noise hits them alike, and each variant's
+periodic checks are amortized over its own steps. ``overhead`` = mean guarded step time /
+mean plain step time - 1 (``median_overhead`` the same with medians).
 
-    .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5]
+What bounds the goals on a CPU: DDP with a communication hook must scale every bucket by
+1/world size in the hook (without one, DDP fuses it into its copy into the bucket). That
+is one pass over gradient memory; ``bound`` reports its time (``mul_`` over a tensor the
+size of the gradients, measured in the same process) next to the plain step's.
 
-``--device cuda`` runs one NCCL rank (world size 1) in this process on ``cuda:0``: NCCL
+``audit_memory``: the replay audit's extra peak memory against the model's gradient bytes:
+resident memory sampled every 0.2 ms during an audited step and during the step before it
+(CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
+
+    .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5] [--models mlp,gpt2]
+
+``--device cuda`` runs one NCCL rank (world size 1) in this process on ``cuda:0`` (NCCL
 refuses two ranks on one GPU, so this measures the checks' own GPU cost, not the
-all-reduce. Every timed step then ends with ``torch.cuda.synchronize()``, for every
-variant alike. Use ``--hidden`` and ``--batch`` to make a step long enough to time::
+all-reduce; the replay audit needs other nodes and does not run). Every timed step then
+ends with ``torch.cuda.synchronize()``, for every variant alike. ``--bf16`` runs the
+transformer under bf16 autocast; make its step long enough to time (at least 50 ms)::
 
-    python3 bench/overhead.py --device cuda --hidden 6144 --batch 2048
+    python3 bench/overhead.py --device cuda --models gpt2 --bf16 --gpt2-layers 12 \\
+        --gpt2-width 1024 --batch 16 --seq 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,13 +55,19 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "hook_only": OFF,
     "nonfinite_only": {**OFF, "nonfinite_check": True},
     "weights_every_10_only": {**OFF, "weights_every": 10},
-    "replay_every_10_only": {**OFF, "replay_every": 10},
-    "replay_every_25_only": {**OFF, "replay_every": 25},
+    "weights_every_1_only": {**OFF, "weights_every": 1},
     "replay_every_50_only": {**OFF, "replay_every": 50},
-    "replay_every_100_only": {**OFF, "replay_every": 100},
     "defaults": {},
     "every_step": {"weights_every": 1, "replay_every": 1},
 }
+DEFAULT_VARIANTS = (
+    "plain",
+    "hook_only",
+    "nonfinite_only",
+    "weights_every_1_only",
+    "replay_every_50_only",
+    "defaults",
+)
 IN = 1024
 """Input and output width of the MLP."""
 
@@ -63,9 +85,22 @@ def make_model(hidden: int = 2048) -> nn.Module:
     )
 
 
+def make_gpt2(layers: int, width: int, vocab: int, seq: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers, n_head=max(1, width // 64), n_embd=width, vocab_size=vocab, n_positions=seq
+    )
+    return GPT2LMHeadModel(config)
+
+
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
+
+
+def gpt2_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
 
 
 def _no_sync() -> None:
@@ -82,6 +117,9 @@ def measure_variants(
     hidden: int = 2048,
     bucket_view: bool = False,
     device: torch.device | None = None,
+    model_kind: str = "mlp",
+    gpt2: dict[str, int] | None = None,
+    bf16: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds per step of each variant in ``names`` (keys of :data:`VARIANTS`).
 
@@ -90,53 +128,164 @@ def measure_variants(
     """
     device = device if device is not None else torch.device("cpu")
     sync: Callable[[], object] = torch.cuda.synchronize if device.type == "cuda" else _no_sync
-    device_ids = [device.index] if device.type == "cuda" else None
-    runners: dict[str, Callable[[Any], object]] = {}
-    for name in names:
-        config = VARIANTS[name]
-        torch.manual_seed(0)
-        ddp = DistributedDataParallel(
-            make_model(hidden).to(device),
-            device_ids=device_ids,
-            gradient_as_bucket_view=bucket_view,
-        )
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
-        if config is None:
-
-            def plain(b: Any, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt) -> None:
-                opt.zero_grad(set_to_none=True)
-                loss_fn(ddp, b).backward()
-                opt.step()
-
-            runners[name] = plain
-        else:
-            guard = Guard(ddp, opt, loss_fn, GuardConfig(**config), reporter=None)
-            runners[name] = guard.step
-    g = torch.Generator().manual_seed(rank)
-    data = (
-        torch.randn(batch, IN, generator=g).to(device),
-        torch.randn(batch, IN, generator=g).to(device),
-    )
-    for run in runners.values():  # warm-up: allocations, Adam state, kernels
+    runners = _runners(names, device, batch, hidden, bucket_view, model_kind, gpt2, bf16, rank)
+    for run, _ in runners.values():  # warm-up: allocations, Adam state, kernels
         for _ in range(warmup):
-            run(data)
+            run()
     sync()
     # One step of each variant in turn: noise on this shared machine hits all alike, and
     # each variant's periodic checks fall on its own steps, amortized over all of them.
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(steps):
-        for name, run in runners.items():
+        for name, (run, _) in runners.items():
             start = time.perf_counter()
-            run(data)
+            run()
             sync()
             times[name].append(time.perf_counter() - start)
     return times
 
 
+def _runners(
+    names: Sequence[str],
+    device: torch.device,
+    batch: int,
+    hidden: int,
+    bucket_view: bool,
+    model_kind: str,
+    gpt2: dict[str, int] | None,
+    bf16: bool,
+    rank: int,
+) -> dict[str, tuple[Callable[[], object], Guard | None]]:
+    device_ids = [device.index] if device.type == "cuda" else None
+    g = torch.Generator().manual_seed(rank)
+    if model_kind == "gpt2":
+        dims = gpt2 or {}
+        seq, vocab = dims.get("seq", 64), dims.get("vocab", 8192)
+        ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        data: Any = {"input_ids": ids, "labels": ids}
+        fn: Callable[..., torch.Tensor] = gpt2_loss
+    else:
+        data = (
+            torch.randn(batch, IN, generator=g).to(device),
+            torch.randn(batch, IN, generator=g).to(device),
+        )
+        fn = loss_fn
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if bf16
+        else contextlib.nullcontext
+    )
+
+    def loss_of(model: nn.Module, b: Any) -> torch.Tensor:
+        with autocast():
+            return fn(model, b)
+
+    runners: dict[str, tuple[Callable[[], object], Guard | None]] = {}
+    for name in names:
+        config = VARIANTS[name]
+        torch.manual_seed(0)
+        if model_kind == "gpt2":
+            dims = gpt2 or {}
+            net = make_gpt2(
+                dims.get("layers", 4),
+                dims.get("width", 384),
+                dims.get("vocab", 8192),
+                dims.get("seq", 64),
+            )
+        else:
+            net = make_model(hidden)
+        ddp = DistributedDataParallel(
+            net.to(device), device_ids=device_ids, gradient_as_bucket_view=bucket_view
+        )
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
+        if config is None:
+
+            def plain(ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_of(ddp, data).backward()
+                opt.step()
+
+            runners[name] = (plain, None)
+        else:
+            guard = Guard(ddp, opt, loss_of, GuardConfig(**config), reporter=None)
+
+            def guarded(guard: Guard = guard) -> object:
+                return guard.step(data)
+
+            runners[name] = (guarded, guard)
+    return runners
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_during(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak memory while ``fn`` runs: sampled resident memory, or CUDA's own counter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = [_rss()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], _rss())
+
+
+def measure_audit_memory(
+    *, rank: int, batch: int, device: torch.device, model_kind: str, gpt2: dict[str, int] | None
+) -> dict[str, Any]:
+    """Extra peak memory of an audited step over a step without an audit."""
+    runners = _runners(
+        ["replay_every_50_only"], device, batch, 2048, False, model_kind, gpt2, False, rank
+    )
+    run, guard = runners["replay_every_50_only"]
+    assert guard is not None
+    guard._audit.every = 2  # every other step: audited and unaudited steps alternate
+    for _ in range(4):  # steps 1-4; from here odd steps are plain and even ones audited
+        run()
+    unaudited, audited = [], []
+    for _ in range(3):
+        unaudited.append(_peak_during(run, device))
+        audited.append(_peak_during(run, device))
+    plain_peak = statistics.median(unaudited)
+    grad_bytes = sum(p.numel() * p.element_size() for p in guard.model.parameters())
+    extra = max(0, int(statistics.median(audited) - plain_peak))
+    return {
+        "method": "CUDA max_memory_allocated"
+        if device.type == "cuda"
+        else "resident memory sampled every 0.2 ms",
+        "gradient_bytes": grad_bytes,
+        "extra_peak_bytes": extra,
+        "ratio": round(extra / grad_bytes, 4),
+        "audits": guard.replay_stats.audits,
+    }
+
+
 def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
     """Mean ms per step of ``plain`` and, per other variant, ms per step and overhead."""
     plain = statistics.fmean(times["plain"])
-    out: dict[str, Any] = {"plain_step_ms": round(plain * 1e3, 3), "variants": {}}
+    plain_median = statistics.median(times["plain"])
+    out: dict[str, Any] = {
+        "plain_step_ms": round(plain * 1e3, 3),
+        "plain_median_step_ms": round(plain_median * 1e3, 3),
+        "variants": {},
+    }
     for name, samples in times.items():
         if name == "plain":
             continue
@@ -145,8 +294,36 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
             "config": VARIANTS[name],
             "step_ms": round(mean * 1e3, 3),
             "overhead": round(mean / plain - 1, 4),
+            "median_overhead": round(statistics.median(samples) / plain_median - 1, 4),
         }
     return out
+
+
+def one_pass_ms(numel: int, device: torch.device) -> dict[str, float]:
+    """Time of one pass over ``numel`` float32 elements (what the hook's scaling costs)."""
+    x = torch.randn(numel, device=device)
+    found = torch.zeros(1, device=device)
+    inv = torch.full((1,), 0.5, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else _no_sync
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        samples = []
+        for _ in range(20):
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e3
+
+    return {
+        "mul_ms": round(timed(lambda: x.mul_(1.0)), 3),
+        "scale_and_check_ms": round(
+            timed(lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv)), 3
+        ),
+        "sum_ms": round(timed(lambda: x.sum()), 3),
+    }
 
 
 def worker(
@@ -156,10 +333,12 @@ def worker(
     warmup: int,
     batch: int,
     bucket_view: bool,
-    names: Sequence[str] = tuple(VARIANTS),
+    names: Sequence[str] = DEFAULT_VARIANTS,
     hidden: int = 2048,
-) -> dict[str, list[float]]:
-    return measure_variants(
+    model_kind: str = "mlp",
+    gpt2: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    times = measure_variants(
         names,
         rank=rank,
         steps=steps,
@@ -167,10 +346,28 @@ def worker(
         batch=batch,
         hidden=hidden,
         bucket_view=bucket_view,
+        model_kind=model_kind,
+        gpt2=gpt2,
     )
+    net = make_gpt2(**_gpt2_args(gpt2)) if model_kind == "gpt2" else make_model(hidden)
+    numel = sum(p.numel() for p in net.parameters())
+    memory = measure_audit_memory(
+        rank=rank, batch=batch, device=torch.device("cpu"), model_kind=model_kind, gpt2=gpt2
+    )
+    return {"times": times, "bound": one_pass_ms(numel, torch.device("cpu")), "memory": memory}
 
 
-def _single_rank_cuda(args: argparse.Namespace, names: list[str]) -> dict[str, list[float]]:
+def _gpt2_args(gpt2: dict[str, int] | None) -> dict[str, int]:
+    dims = gpt2 or {}
+    return {
+        "layers": dims.get("layers", 4),
+        "width": dims.get("width", 384),
+        "vocab": dims.get("vocab", 8192),
+        "seq": dims.get("seq", 64),
+    }
+
+
+def _single_rank_cuda(args: argparse.Namespace, names: list[str], kind: str) -> dict[str, Any]:
     torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl",
@@ -179,8 +376,10 @@ def _single_rank_cuda(args: argparse.Namespace, names: list[str]) -> dict[str, l
         world_size=1,
         timeout=datetime.timedelta(seconds=120),
     )
+    device = torch.device("cuda", 0)
+    gpt2 = _gpt2_dims(args)
     try:
-        return measure_variants(
+        times = measure_variants(
             names,
             rank=0,
             steps=args.steps,
@@ -188,18 +387,40 @@ def _single_rank_cuda(args: argparse.Namespace, names: list[str]) -> dict[str, l
             batch=args.batch,
             hidden=args.hidden,
             bucket_view=args.bucket_view,
-            device=torch.device("cuda", 0),
+            device=device,
+            model_kind=kind,
+            gpt2=gpt2,
+            bf16=args.bf16,
         )
+        net = make_gpt2(**_gpt2_args(gpt2)) if kind == "gpt2" else make_model(args.hidden)
+        numel = sum(p.numel() for p in net.parameters())
+        return {"times": times, "bound": one_pass_ms(numel, device)}
     finally:
         dist.destroy_process_group()
+
+
+def _gpt2_dims(args: argparse.Namespace) -> dict[str, int]:
+    return {
+        "layers": args.gpt2_layers,
+        "width": args.gpt2_width,
+        "vocab": args.vocab,
+        "seq": args.seq,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per variant")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="MLP batch (GPT-2: --gpt2-batch)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden width of the MLP")
+    parser.add_argument("--models", default="mlp,gpt2", help="mlp, gpt2 or both")
+    parser.add_argument("--gpt2-layers", type=int, default=4)
+    parser.add_argument("--gpt2-width", type=int, default=384)
+    parser.add_argument("--gpt2-batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -207,7 +428,9 @@ def main() -> None:
         help="cpu: two gloo ranks; cuda: one NCCL rank on cuda:0",
     )
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated; plain is always run"
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS)}; plain is always run",
     )
     parser.add_argument(
         "--bucket-view",
@@ -219,29 +442,62 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    if args.device == "cuda":
-        ranks, backend = 1, "nccl"
-        times = _single_rank_cuda(args, names)
-    else:
-        ranks, backend = 2, "gloo"
-        results = spawn_local(
-            worker,
-            ["bench-node-0", "bench-node-1"],
-            (args.steps, args.warmup, args.batch, args.bucket_view, names, args.hidden),
+    kinds = [k for k in args.models.split(",") if k]
+    if not kinds or any(k not in ("mlp", "gpt2") for k in kinds):
+        parser.error("--models: mlp, gpt2 or mlp,gpt2")
+    models: dict[str, Any] = {}
+    for kind in kinds:
+        batch = args.gpt2_batch if kind == "gpt2" else args.batch
+        if args.device == "cuda":
+            ranks, backend = 1, "nccl"
+            got = _single_rank_cuda(
+                argparse.Namespace(**{**vars(args), "batch": batch}), names, kind
+            )
+        else:
+            ranks, backend = 2, "gloo"
+            results = spawn_local(
+                worker,
+                ["bench-node-0", "bench-node-1"],
+                (
+                    args.steps,
+                    args.warmup,
+                    batch,
+                    args.bucket_view,
+                    names,
+                    args.hidden,
+                    kind,
+                    _gpt2_dims(args),
+                ),
+            )
+            got = results[0]  # ranks run in lockstep; rank 0 is representative
+        summary = summarize(got["times"])
+        net = (
+            make_gpt2(**_gpt2_args(_gpt2_dims(args))) if kind == "gpt2" else make_model(args.hidden)
         )
-        times = results[0]  # ranks run in lockstep; rank 0 is representative
-    summary = summarize(times)
+        bound = got["bound"]
+        bound["scale_and_check_share_of_plain_step"] = round(
+            bound["scale_and_check_ms"] / summary["plain_step_ms"], 4
+        )
+        models[kind] = {
+            "model": "GPT-2 (transformers, random weights)" if kind == "gpt2" else "MLP",
+            "parameters": sum(p.numel() for p in net.parameters()),
+            "batch": batch,
+            **({"gpt2": _gpt2_args(_gpt2_dims(args))} if kind == "gpt2" else {}),
+            **summary,
+            "bound": bound,
+            **({"audit_memory": got["memory"]} if "memory" in got else {}),
+        }
     out: dict[str, Any] = {
         "benchmark": "overhead",
         "torch": torch.__version__,
         "device": args.device,
         "backend": backend,
         "ranks": ranks,
-        "parameters": sum(p.numel() for p in make_model(args.hidden).parameters()),
-        "batch": args.batch,
+        "optimizer": "Adam(fused=True)",
+        "bf16_autocast": args.bf16,
         "gradient_as_bucket_view": args.bucket_view,
         "steps_per_variant": args.steps,
-        **summary,
+        "models": models,
     }
     print(json.dumps(out, indent=2))
 

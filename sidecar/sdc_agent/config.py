@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .faults import FaultSpec, parse_faults
 from .fingerprint import FINGERPRINT_BACKENDS
 
-__all__ = ["ENV_PREFIX", "GuardConfig", "KNOWN_ENV"]
+__all__ = ["AGREED_FIELDS", "ENV_PREFIX", "GuardConfig", "KNOWN_ENV"]
 
 ENV_PREFIX = "HYPERPOD_SDC_"
 NONFINITE_CHECK_ENV = "HYPERPOD_SDC_NONFINITE_CHECK"
@@ -32,6 +32,7 @@ REPLAY_MODES: tuple[str, ...] = ("audit", "calibrate")
 UNREACHABLE_POLICY_ENV = "HYPERPOD_SDC_UNREACHABLE_POLICY"
 REPORT_DEADLINE_ENV = "HYPERPOD_SDC_REPORT_DEADLINE_SECONDS"
 HEARTBEAT_EVERY_ENV = "HYPERPOD_SDC_HEARTBEAT_EVERY"
+VERDICT_REPORTERS_ENV = "HYPERPOD_SDC_VERDICT_REPORTERS"
 UNREACHABLE_POLICIES: tuple[str, ...] = ("stop", "continue")
 NODE_NAME_ENV = "NODE_NAME"
 
@@ -47,7 +48,23 @@ _ENV_OF_FIELD = {
     "unreachable_policy": UNREACHABLE_POLICY_ENV,
     "report_deadline_seconds": REPORT_DEADLINE_ENV,
     "heartbeat_every": HEARTBEAT_EVERY_ENV,
+    "verdict_reporters": VERDICT_REPORTERS_ENV,
 }
+
+# Settings that change which collectives a rank makes, or what every rank must conclude
+# alike: they must be equal on every rank of the data-parallel group (Guard creation
+# compares them and names the ones that differ). The others (node_name, faults aimed at
+# one rank, the reporter's deadline, the fingerprint kernel) are local.
+AGREED_FIELDS: tuple[str, ...] = (
+    "nonfinite_check",
+    "weights_every",
+    "weights_include_optimizer_state",
+    "replay_every",
+    "replay_probability",
+    "replay_mode",
+    "heartbeat_every",
+    "verdict_reporters",
+)
 
 # Every HYPERPOD_SDC_* name the agent reads, and the one the operator sets in its pods;
 # anything else with the prefix in a training pod is probably a typo and draws a warning.
@@ -88,9 +105,11 @@ class GuardConfig:
     """Settings of :class:`sdc_agent.Guard`. Intervals count optimizer steps."""
 
     nonfinite_check: bool = True
-    """Check 1: look for NaN/Inf in every gradient bucket before and after the all-reduce,
-    every step (env ``HYPERPOD_SDC_NONFINITE_CHECK``). Costs one min/max pass over each
-    bucket twice per step and one tiny all-reduce."""
+    """Check 1: look for NaN/Inf in every rank's gradient buckets before the all-reduce,
+    every step (env ``HYPERPOD_SDC_NONFINITE_CHECK``). The check is fused into the pass
+    that scales the bucket by 1/world size (which the communication hook makes anyway);
+    every rank's flag travels in one message of 4 bytes per rank right behind the step's
+    last bucket, and the step is held back on the device where the optimizer allows it."""
 
     weights_every: int = 10
     """Check 3: compare fingerprints of the parameters across data-parallel replicas every
@@ -114,9 +133,11 @@ class GuardConfig:
     """Check 2: every this many steps each rank recomputes a partner's micro-batch on
     another node; 0 turns the scheduled audits off (env ``HYPERPOD_SDC_REPLAY_EVERY``).
     Costs about one extra forward and backward of one micro-batch per audit, so roughly
-    ``1 / replay_every`` of a step's compute (see ``bench/overhead.py``). Needs
-    :meth:`Guard.step` (the audit must see the micro-batch and the loss function) and
-    deterministic kernels (see :func:`sdc_agent.enable_determinism`)."""
+    ``1 / replay_every`` of a step's compute (see ``bench/overhead.py``). Needs the
+    micro-batch and the loss function: :meth:`Guard.step`, or the phase API with
+    :meth:`Guard.before_backward`. The audit learns the job's run-to-run noise by itself
+    (see :attr:`Guard.gradient_tolerance`); :func:`sdc_agent.enable_determinism` makes it
+    sharper."""
 
     replay_probability: float = 0.0
     """Also audit any other step with this probability, drawn from a seed the ranks share,
@@ -143,6 +164,13 @@ class GuardConfig:
     steps from each node's reporting rank; 0 turns heartbeats off (env
     ``HYPERPOD_SDC_HEARTBEAT_EVERY``)."""
 
+    verdict_reporters: int = 3
+    """How many nodes report each verdict (env ``HYPERPOD_SDC_VERDICT_REPORTERS``): the
+    suspect's replay partners first, then witnesses on other nodes, the suspect's own node
+    last, each through its local rank 0; every rank computes the same choice. The
+    operator needs two nodes to agree, so three leave one to spare. 0: every node reports
+    (as agents before this setting did). Heartbeats still come from every node."""
+
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see
     :mod:`sdc_agent.faults`. Empty in production."""
@@ -166,6 +194,7 @@ class GuardConfig:
             exclusive_minimum=True,
         )
         require_int("heartbeat_every", self.heartbeat_every, minimum=0, hint=" (0 turns it off)")
+        require_int("verdict_reporters", self.verdict_reporters, minimum=0, hint=" (0: every node)")
         require_choice("fingerprint_backend", self.fingerprint_backend, FINGERPRINT_BACKENDS)
         if not isinstance(self.faults, tuple) or not all(
             isinstance(f, FaultSpec) for f in self.faults
@@ -179,6 +208,10 @@ class GuardConfig:
     @property
     def replay_enabled(self) -> bool:
         return self.replay_every > 0 or self.replay_probability > 0
+
+    def agreed(self) -> dict[str, Any]:
+        """The settings every rank must share (:data:`AGREED_FIELDS`), by name."""
+        return {name: getattr(self, name) for name in AGREED_FIELDS}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
@@ -233,6 +266,8 @@ class GuardConfig:
                 ) from None
         if (raw := env.get(HEARTBEAT_EVERY_ENV)) is not None:
             values["heartbeat_every"] = _parse_int(HEARTBEAT_EVERY_ENV, raw)
+        if (raw := env.get(VERDICT_REPORTERS_ENV)) is not None:
+            values["verdict_reporters"] = _parse_int(VERDICT_REPORTERS_ENV, raw)
         if (raw := env.get(FINGERPRINT_BACKEND_ENV)) is not None:
             values["fingerprint_backend"] = raw.strip()
         if (raw := env.get(FAULTS_ENV)) is not None:

@@ -55,6 +55,14 @@ class Drill:
     noise: float = 0.0
     """Add noise from a private, unseeded generator to a hidden layer: a model that is
     not deterministic (its replays differ)."""
+    grad_noise: bool = False
+    """Every computation of the second layer's weight gradient moves three random
+    elements by one unit in the last place, on every rank: run-to-run noise as atomics
+    in a backward kernel give it."""
+    reorder_rank: int | None = None
+    """This rank's process computes the second layer's forward in another summation
+    order from the first step: a deterministic last-bit difference, as per-process
+    autotuning gives."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +81,9 @@ class DrillRank:
     replay_mismatches: int
     stopped: str | None = None
     """Why training stopped early (an :class:`~sdc_agent.errors.SDCError`), if it did."""
+    gradient_tolerance: float | None = None
+    """The replay audit's threshold in force at the end (see Guard.gradient_tolerance)."""
+    bit_reproducible: bool | None = None
 
 
 class _Noise(nn.Module):
@@ -87,12 +98,61 @@ class _Noise(nn.Module):
         return x + self.scale * torch.rand(x.shape, generator=self.generator)
 
 
-def make_model(width: int, dropout: float, noise: float = 0.0) -> nn.Module:
+class _UlpNoise(torch.autograd.Function):
+    """Identity forward; the backward moves three elements of the gradient by ±1 ulp."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        noisy = grad.clone()
+        where = torch.randint(0, noisy.numel(), (3,), generator=g)
+        up = torch.randint(0, 2, (3,), generator=g).bool()
+        flat = noisy.view(-1)
+        flat[where] = torch.nextafter(
+            flat[where], torch.where(up, float("inf"), float("-inf")).to(flat.dtype)
+        )
+        return noisy
+
+
+class DrillLinear(nn.Linear):
+    """A Linear that can carry the drills' kinds of non-determinism."""
+
+    def __init__(self, n_in: int, n_out: int, *, grad_noise: bool, reorder: bool) -> None:
+        super().__init__(n_in, n_out)
+        self.grad_noise = grad_noise
+        self.reorder = reorder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _UlpNoise.apply(self.weight) if self.grad_noise else self.weight
+        if not self.reorder:
+            return nn.functional.linear(x, weight, self.bias)
+        half = x.shape[-1] // 2  # the same sum, added in another order
+        low = nn.functional.linear(x[..., :half], weight[:, :half])
+        return nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
+
+
+def make_model(
+    width: int,
+    dropout: float,
+    noise: float = 0.0,
+    *,
+    grad_noise: bool = False,
+    reorder: bool = False,
+) -> nn.Module:
+    second: nn.Module = (
+        DrillLinear(width, width, grad_noise=grad_noise, reorder=reorder)
+        if grad_noise or reorder
+        else nn.Linear(width, width)
+    )
     layers: list[nn.Module] = [
         nn.Linear(16, width),
         nn.ReLU(),
         nn.Dropout(dropout),
-        nn.Linear(width, width),
+        second,
         nn.ReLU(),
         nn.Linear(width, 4),
     ]
@@ -121,7 +181,13 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
     out = []
     for drill in drills:
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
-        model = make_model(drill.width, drill.dropout, drill.noise)
+        model = make_model(
+            drill.width,
+            drill.dropout,
+            drill.noise,
+            grad_noise=drill.grad_noise,
+            reorder=drill.reorder_rank == rank,
+        )
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
@@ -192,6 +258,8 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 replay_comparisons=guard.replay_stats.comparisons if guard else 0,
                 replay_mismatches=guard.replay_stats.mismatches if guard else 0,
                 stopped=stopped,
+                gradient_tolerance=guard.gradient_tolerance if guard else None,
+                bit_reproducible=guard.bit_reproducible if guard else None,
             )
         )
         dist.barrier()

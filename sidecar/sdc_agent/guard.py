@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -19,10 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 from .audit import AuditOutcome, ReplayAudit, ReplayStats
 from .checkpoint import mark_checkpoint
 from .config import GuardConfig
+from .election import elect_reporters
 from .errors import ConfigError, OperatorUnreachableError, ProtocolError, SDCError
 from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
-from .nonfinite import NonFiniteFinding, NonFiniteMonitor, classify_nonfinite
+from .gate import StepGate
+from .nonfinite import NonFiniteFinding, StepFlags, classify_nonfinite
 from .protocol import (
     MAX_MESSAGE,
     MAX_SUSPECTS,
@@ -33,11 +37,11 @@ from .protocol import (
     VerdictReport,
     encode_report,
 )
-from .replay import Payload
+from .replay import map_tensors
 from .reporter import Reporter, ReporterConfig
-from .topology import Topology, discover_topology, local_node_name
+from .topology import Topology, exchange_identities, local_node_name
 from .verdict import StepResult, Verdict
-from .weights import WeightFingerprints
+from .weights import WeightFingerprints, keeps_replicas_apart
 
 __all__ = ["Guard"]
 
@@ -45,28 +49,40 @@ log = logging.getLogger("sdc_agent")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
+IDLE, STEP, DECIDED = "idle", "backward", "decided"
+
+NONDETERMINISM_GUIDANCE = (
+    " Nothing is accused and no step is held back for it. To make the audit sharper, call "
+    "sdc_agent.enable_determinism() at start-up and draw all randomness from torch's "
+    "generators; guard.gradient_tolerance shows the threshold in force."
+)
+
 
 class Guard:
     """Runs the checks around every training step of a DDP model.
 
-    The simple form does the whole step::
+    The shortest form does the whole step::
 
         guard = sdc_agent.Guard(ddp_model, optimizer, loss_fn)
         for batch in loader:
             result = guard.step(batch)   # forward, backward, checks, optimizer step if clean
 
-    A custom loop calls the three phases itself::
+    A loop that owns its backward and optimizer step calls the phases (every check, the
+    replay audit included, works there)::
 
-        guard.begin_step()
-        loss = ...; loss.backward()
-        if guard.check_gradients():
-            optimizer.step()
-        result = guard.finish_step(applied=..., loss=loss)
+        loss = loss_fn(ddp_model, batch)           # the forward pass
+        guard.before_backward(batch, loss)         # what the audit replays
+        scaler.scale(loss).backward()              # anything: accumulation, GradScaler...
+        if guard.before_optimizer_step():          # checks 1 and 2; False: hold back
+            scaler.step(optimizer)                 # (a fused optimizer skips on the device)
+        scaler.update()
+        result = guard.after_optimizer_step()      # check 3, bookkeeping, reports
 
-    Creating a Guard is a collective (the ranks exchange their node names), as are
-    :meth:`check_gradients` and :meth:`finish_step`: every rank of the data-parallel
-    group must call them, in the same order. The Guard registers the model's DDP
-    communication hook; a model can have only one.
+    Creating a Guard is a collective (the ranks exchange identities and settings), as are
+    :meth:`before_optimizer_step`, :meth:`after_optimizer_step` and :meth:`close`: every
+    rank of the data-parallel group must call them, in the same order. The Guard registers
+    the model's DDP communication hook (a model has only one), a forward pre-hook on the
+    DDP model and step hooks on the optimizer.
     """
 
     def __init__(
@@ -78,6 +94,102 @@ class Guard:
         *,
         start_step: int = 0,
         reporter: Reporter | Literal["auto"] | None = "auto",
+        scaler: Any = None,
+    ) -> None:
+        self._validate_arguments(model, optimizer, loss_fn, config, start_step, scaler)
+        assert isinstance(model, DistributedDataParallel)
+        self._phase = IDLE
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.config = config if config is not None else GuardConfig.from_env()
+        self.group: dist.ProcessGroup | None = getattr(model, "process_group", None)
+        self.rank = dist.get_rank()
+        self.group_rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        first = next(model.module.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        """The model's device: where the step's flags live (not the current CUDA device,
+        which is ``cuda:0`` on every rank that never called ``set_device``)."""
+        backend = str(dist.get_backend(self.group))
+        if "nccl" in backend and self.device.type != "cuda":
+            raise ConfigError(f"model: an NCCL group needs the model on CUDA, got {self.device}")
+        self.comm_device = self.device if "nccl" in backend else torch.device("cpu")
+        self._check_model(model.module)
+
+        self._gate = StepGate(optimizer, lambda: self._phase)
+        try:
+            self.topology, self.run_id = self._start_up_exchange()
+            self._build_checks(model, loss_fn)
+        except BaseException:
+            self._gate.remove()  # a Guard that failed to start leaves nothing behind
+            raise
+        model.register_comm_hook(state=None, hook=self._comm_hook)
+        self._forward_handle = model.register_forward_pre_hook(self._forward_pre)
+        self._setup_reporting(reporter)
+        self._check_seconds: dict[str, float] = {"nonfinite": 0.0, "replay": 0.0, "weights": 0.0}
+        self._heartbeat_at = time.monotonic()
+
+        self.step_count = start_step
+        """Steps begun so far; the current step while one is running."""
+        self.last_clean_step = start_step
+        """The newest step at which every check passed and, with the weight check on,
+        the replicas' weights were verified identical. A checkpoint of that step or an
+        earlier one is safe to resume from."""
+        self.weights_diverged = False
+        """Set when check 3 failed: the replicas' weights differ, and no later step can
+        be clean until the job restores a checkpoint (see :meth:`restore`)."""
+        self._settling = False  # in _settle: the hook only all-reduces
+        # A resumed job (start_step, restore): the next step first settles DDP's buckets.
+        self._settle_buckets = start_step > 0
+        self._grad_verdicts: list[Verdict] = []
+        self._hold = False
+        self._flags_read = False
+        self._audited_clean = False
+        self._replay_unavailable = False
+        self._nondeterminism_reported = False
+        self._reported_weight_suspects: tuple[int, ...] = ()
+        self._tolerance_logged: float | None = None
+        # The newest step each verifying check vouched for; last_clean_step is the oldest.
+        self._verified = {"weights": start_step, "replay": start_step}
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _build_checks(self, model: DistributedDataParallel, loss_fn: LossFn | None) -> None:
+        self._fingerprinter = Fingerprinter(self.config.fingerprint_backend)
+        self._flags = StepFlags(self.world_size, self.group_rank, self.device)
+        self._weights = WeightFingerprints(
+            model.module,
+            self.optimizer,
+            self._fingerprinter,
+            self.config.weights_include_optimizer_state,
+        )
+        self._warm_up(model.module)
+        self._injector = FaultInjector(self.config.faults, self.rank)
+        self._injector.attach(model.module)
+        self._grad_targets = self._resolve_grad_targets()
+        self._audit = ReplayAudit(
+            module=model.module,
+            loss_fn=loss_fn,
+            topology=self.topology,
+            group=self.group,
+            comm_device=self.comm_device,
+            fingerprinter=self._fingerprinter,
+            injector=self._injector,
+            every=self.config.replay_every,
+            probability=self.config.replay_probability,
+            calibrate=self.config.replay_mode == "calibrate",
+        )
+
+    @staticmethod
+    def _validate_arguments(
+        model: nn.Module,
+        optimizer: object,
+        loss_fn: object,
+        config: object,
+        start_step: object,
+        scaler: object,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise ConfigError(
@@ -94,67 +206,86 @@ class Guard:
             raise ConfigError(f"config: must be a GuardConfig, got {type(config).__name__}")
         if not isinstance(start_step, int) or start_step < 0:
             raise ConfigError(f"start_step: must be an integer >= 0, got {start_step!r}")
+        if scaler is not None and not hasattr(scaler, "get_scale"):
+            raise ConfigError(
+                f"scaler: must be a torch.amp.GradScaler, got {type(scaler).__name__}"
+            )
         if not dist.is_initialized():
             raise SDCError("torch.distributed is not initialized: call init_process_group first")
 
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.config = config if config is not None else GuardConfig.from_env()
-        self.group: dist.ProcessGroup | None = getattr(model, "process_group", None)
-        self.rank = dist.get_rank()
-        self.group_rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        backend = str(dist.get_backend(self.group))
-        self.comm_device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if "nccl" in backend
-            else torch.device("cpu")
-        )
-        self.topology: Topology = discover_topology(
-            self.group, local_node_name(self.config.node_name)
-        )
+    def _check_model(self, module: nn.Module) -> None:
+        if self.config.replay_enabled and any(
+            isinstance(m, nn.SyncBatchNorm) for m in module.modules()
+        ):
+            raise ConfigError(
+                "replay_every: the model has SyncBatchNorm, whose forward all-reduces across "
+                "ranks, and the replay audit recomputes micro-batches on some ranks only (it "
+                "would hang); set replay_every=0 and replay_probability=0, or use BatchNorm"
+            )
+        if self.config.weights_every > 0 and keeps_replicas_apart(self.optimizer):
+            raise ConfigError(
+                "weights_every: PostLocalSGDOptimizer keeps the replicas apart between its "
+                "averaging steps, so check 3 would accuse every rank; set weights_every=0"
+            )
 
-        self._fingerprinter = Fingerprinter(self.config.fingerprint_backend)
-        self._nonfinite = NonFiniteMonitor()
-        self._weights = WeightFingerprints(
-            model.module,
-            optimizer,
-            self._fingerprinter,
-            self.config.weights_include_optimizer_state,
+    def _start_up_exchange(self) -> tuple[Topology, str]:
+        """One all-gather: identities, the settings that must agree, the run id."""
+        agreed = {
+            **self.config.agreed(),
+            "optimizer": type(self.optimizer).__name__,
+            "device_skip": self._gate.device_skip,
+            "scaler": self.scaler is not None,
+        }
+        extra = {"agreed": agreed, "run_id": uuid.uuid4().hex[:16]}
+        topology, extras = exchange_identities(
+            self.group, local_node_name(self.config.node_name), self.comm_device, extra
         )
-        if self.config.weights_every > 0:
-            # Compile the fingerprint kernels now, not in the middle of training.
-            first = next(model.module.parameters(), None)
-            if first is not None:
-                dtypes = {p.dtype for p in model.module.parameters()} | {torch.float32}
-                self._fingerprinter.warm_up(dtypes, first.device)
-        self._injector = FaultInjector(self.config.faults, self.rank)
-        self._injector.attach(model.module)
-        self._grad_targets = self._resolve_grad_targets()
-        self._audit = ReplayAudit(
-            module=model.module,
-            loss_fn=loss_fn,
-            topology=self.topology,
-            group=self.group,
-            comm_device=self.comm_device,
-            fingerprinter=self._fingerprinter,
-            injector=self._injector,
-            every=self.config.replay_every,
-            probability=self.config.replay_probability,
-            calibrate=self.config.replay_mode == "calibrate",
+        differing = sorted(
+            name
+            for name in agreed
+            if len({json.dumps(e["agreed"].get(name), sort_keys=True) for e in extras}) > 1
         )
-        model.register_comm_hook(state=None, hook=self._comm_hook)
+        if differing:
+            values = "; ".join(
+                f"{name}: "
+                + ", ".join(
+                    f"rank {topology.global_rank(r)}={e['agreed'].get(name)!r}"
+                    for r, e in enumerate(extras)
+                )
+                for name in differing[:4]
+            )
+            self._gate.remove()
+            raise ConfigError(
+                f"settings differ between ranks ({', '.join(differing)}), so ranks would run "
+                f"different collectives and hang: {values}. Give every rank (the Master and "
+                "the Worker templates) the same HYPERPOD_SDC_* settings"
+            )
+        return topology, str(extras[0]["run_id"])
 
-        # One rank per node reports, so the operator can ask several nodes to agree.
+    def _warm_up(self, module: nn.Module) -> None:
+        if self.config.weights_every <= 0 and not self.config.replay_enabled:
+            return
+        params = list(module.parameters())
+        if not params:
+            return
+        # Compile the fingerprint kernels now, not in the middle of training, and under
+        # no_grad: the hooks and the weight check fingerprint without grad mode, and
+        # torch.compile guards on it (a kernel warmed up with grad mode on recompiles).
+        dtypes = {p.dtype for p in params} | {torch.float32}
+        with torch.no_grad():
+            self._fingerprinter.warm_up(dtypes, self.device)
+
+    def _setup_reporting(self, reporter: Reporter | Literal["auto"] | None) -> None:
         me = self.topology.ranks[self.group_rank]
+        # Each node's local rank 0 holds the reporter: it sends the node's heartbeats and,
+        # when elected, a verdict.
         self.reports = me.local_rank == 0
         if reporter == "auto":
             reporter_config = ReporterConfig.from_env()
             reporter = Reporter(reporter_config) if reporter_config is not None else None
         elif reporter is not None and not isinstance(reporter, Reporter):
             raise ConfigError(f"reporter: must be a Reporter, None or 'auto', got {reporter!r}")
-        # Whether check_gradients carries the halt flag must be the same on every rank,
+        # Whether the step's flags carry the halt flag must be the same on every rank,
         # or some ranks would call a collective the others skip.
         wants_halt = torch.tensor(
             [int(reporter is not None and self.config.unreachable_policy == "stop")],
@@ -166,35 +297,36 @@ class Guard:
         if reporter is not None and not self.reports:
             reporter.close(timeout=0)
         self._identity = ReporterIdentity(rank=me.rank, node=me.node, pod=me.pod)
-        self._check_seconds: dict[str, float] = {"nonfinite": 0.0, "replay": 0.0, "weights": 0.0}
 
-        self.step_count = start_step
-        """Steps begun so far; the current step while one is running."""
-        self.last_clean_step = start_step
-        """The newest step at which every check passed and, with the weight check on,
-        the replicas' weights were verified identical. A checkpoint of that step or an
-        earlier one is safe to resume from."""
-        self.weights_diverged = False
-        """Set when check 3 failed: the replicas' weights differ, and no later step can
-        be clean until the job restores a checkpoint (see :meth:`restore`)."""
-        self._in_step = False
-        self._settling = False  # in _settle: the hook only all-reduces
-        # A resumed job (start_step, restore): the next step first settles DDP's buckets.
-        self._settle_buckets = start_step > 0
-        self._grad_verdicts: list[Verdict] = []
-        self._audited_clean = False
-        self._replay_unavailable = False
-        self._simple_step = False
-        self._reported_weight_suspects: tuple[int, ...] = ()
-        # The newest step each verifying check vouched for; last_clean_step is the oldest.
-        self._verified = {"weights": start_step, "replay": start_step}
+    # -- what the Guard knows ------------------------------------------------------------
 
     @property
     def replay_stats(self) -> ReplayStats:
         """How many replays were compared and how many differed (see ``replay_mode``)."""
         return self._audit.stats
 
-    # -- the simple form -----------------------------------------------------------------
+    @property
+    def gradient_tolerance(self) -> float | None:
+        """The replay audit's detection threshold in force: relative differences (of the
+        loss, or of a gradient tensor's statistics) up to it are taken for the job's
+        run-to-run noise. 0: the job has been bit-reproducible, any difference is
+        evidence. ``None``: no audit yet."""
+        noise = self._audit.noise
+        return None if noise.bit_reproducible is None else noise.largest
+
+    @property
+    def bit_reproducible(self) -> bool | None:
+        """Whether every replay so far matched its original bit for bit (``None``: no
+        audit yet)."""
+        return self._audit.noise.bit_reproducible
+
+    @property
+    def fingerprint_kernel(self) -> str:
+        """``compiled`` or ``eager``: the fingerprint kernel that runs (eager is the slow
+        path; see :attr:`sdc_agent.Fingerprinter.kernel`)."""
+        return self._fingerprinter.kernel
+
+    # -- the shortest form ---------------------------------------------------------------
 
     def step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> StepResult:
         """Forward, backward, checks, and the optimizer step when the checks pass.
@@ -216,125 +348,329 @@ class Guard:
             self._settle_buckets = False
             self._settle(micro_batches[0])
         self.optimizer.zero_grad(set_to_none=True)
-        self._simple_step = True
-        try:
-            self.begin_step()
-        finally:
-            self._simple_step = False
-        total: torch.Tensor | None = None  # stays on the device: one host sync per step
+        self.begin_step()
+        total: torch.Tensor | None = None  # stays on the device
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
-            if j == 0:
-                self._audit.payload = Payload.capture(micro, count, copy=self._audit.due)
+            audited = micro
+            if j == 0 and self._audit.due:  # before the forward, which may change it
+                audited = map_tensors(micro, lambda t: t.detach().clone())
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.loss_fn(self.model, micro)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise SDCError("loss_fn must return a scalar tensor")
-                if j == 0:
-                    self._audit.own_loss = loss.detach()
+                self._record_micro_batch(audited, loss, copy=False)
                 (loss / count if count > 1 else loss).backward()
-            if j == 0 and not last:
-                self._audit.observe_grads()
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        applied = self.check_gradients()
+        applied = self.before_optimizer_step()
         if applied:
             self.optimizer.step()
         assert total is not None
-        return self.finish_step(applied=applied, loss=total / count)
+        return self.after_optimizer_step(loss=total / count)
 
     # -- the phases ----------------------------------------------------------------------
 
     def begin_step(self) -> int:
-        """Start a step (before its forward pass); returns the step number."""
-        if self._in_step:
+        """Start a step explicitly (optional: the model's first forward starts one).
+        Returns the step number."""
+        if self._phase != IDLE:
             raise SDCError("begin_step called twice without finish_step")
-        if not self._simple_step and not self._replay_unavailable:
-            # The low-level form never shows the audit a micro-batch to replay.
-            self._replay_unavailable = True
-            if self.config.replay_enabled:
-                warnings.warn(
-                    "sdc_agent: the replay audit needs Guard.step (it must see the "
-                    "micro-batch); with begin_step/check_gradients/finish_step it is "
-                    "skipped and last_clean_step follows the other checks",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        self._in_step = True
+        return self._begin()
+
+    def _begin(self) -> int:
+        self._phase = STEP
         self.step_count += 1
         self._injector.step = self.step_count
-        self._nonfinite.reset()
+        halt = self.reporter is not None and self.reporter.verdict_overdue(
+            self.config.report_deadline_seconds
+        )
+        self._flags.reset(halt=halt and self._stop_when_unreachable)
         self._grad_verdicts = []
+        self._hold = False
+        self._flags_read = False
         self._audited_clean = False
         self._audit.begin(self.step_count)
         return self.step_count
 
-    def check_gradients(self) -> bool:
-        """After backward: run checks 1 and 2 across ranks; true when the step is safe to
-        apply. A collective."""
-        self._require_step("check_gradients")
-        if self.config.nonfinite_check or self._stop_when_unreachable:
-            started = time.perf_counter()
-            overdue = self.reporter is not None and self.reporter.verdict_overdue(
-                self.config.report_deadline_seconds
-            )
-            before, after, halt = self._nonfinite.exchange(
-                self.group, self.comm_device, halt=overdue and self._stop_when_unreachable
-            )
-            self._check_seconds["nonfinite"] += time.perf_counter() - started
-            if any(halt):
-                raise OperatorUnreachableError(
-                    f"a verdict could not be delivered to the operator within "
-                    f"{self.config.report_deadline_seconds:g} s (reporting rank(s) "
-                    f"{', '.join(map(str, self._global(halt)))}); unreachable_policy='stop' "
-                    "stops training here, before another step is applied"
-                )
-            finding = classify_nonfinite(before, after) if self.config.nonfinite_check else None
-            if finding is not None:
-                self._grad_verdicts.append(self._nonfinite_verdict(finding, before, after))
-                return False
-        else:
-            self._nonfinite.reset()
-        if self._audit.due:
-            if self._audit.payload is None:
-                return True  # the low-level form gave the audit no micro-batch
-            started = time.perf_counter()
-            outcome = self._audit.audit()
-            self._check_seconds["replay"] += time.perf_counter() - started
-            if outcome.finding is not None:
-                self._grad_verdicts.append(self._replay_verdict(outcome))
-                return False
-            self._audited_clean = not outcome.evidence
-        return True
+    def before_backward(
+        self, batch: Any, loss: torch.Tensor, *, loss_fn: LossFn | None = None
+    ) -> None:
+        """A micro-batch's forward is done: ``batch`` is what ``loss_fn(model, batch)``
+        computes ``loss`` from, and ``loss`` (the loss function's value, before any
+        division for accumulation or GradScaler's scaling) is about to be backpropagated.
 
-    def _nonfinite_verdict(
-        self, finding: NonFiniteFinding, before: list[bool], after: list[bool]
-    ) -> Verdict:
-        evidence: dict[str, Any] = {
-            "nonfinite_before_allreduce": self._global(before),
-            "nonfinite_after_allreduce": self._global(after),
-        }
+        Call it once per micro-batch; the first of the step is the one the replay audit
+        may recompute on another node. The RNG and autocast state it needs were recorded
+        when the forward began; the factor the loop applies between ``loss`` and
+        ``backward()`` is recorded during backward. Not a collective.
+        """
+        if self._phase == IDLE:
+            raise SDCError(
+                "before_backward: no step is running; call it after the step's forward "
+                "pass through the DDP model (the forward starts the step)"
+            )
+        if self._phase == DECIDED:
+            raise SDCError(
+                "before_backward called after before_optimizer_step: a step's backward "
+                "passes come before its checks"
+            )
+        if loss_fn is not None:
+            if not callable(loss_fn):
+                raise ConfigError("loss_fn: must be callable as loss_fn(model, batch)")
+            self.loss_fn = loss_fn
+            self._audit.set_loss_fn(loss_fn)
+        self._record_micro_batch(batch, loss, copy=True)
+
+    def _record_micro_batch(self, batch: Any, loss: torch.Tensor, *, copy: bool) -> None:
+        syncs = bool(getattr(self.model, "require_backward_grad_sync", True))
+        self._audit.micro_batch(batch, loss, syncs=syncs, copy=copy)
+
+    def before_optimizer_step(self) -> bool:
+        """After backward: checks 1 and 2 across ranks; false when the step must be held
+        back. A collective.
+
+        Where the optimizer skips on the device (``fused=True``), a non-finite gradient
+        holds the step back there, with no host synchronisation, and this returns true:
+        call ``optimizer.step()`` (or ``scaler.step``) as usual. Calling it after a false
+        return is safe too: the step then changes nothing. With ``scaler=`` a held step
+        has its gradients unscaled here, so ``scaler.update()`` works without
+        ``scaler.step()`` (and backs off only if the scaler itself found an overflow).
+        """
+        if self._phase == IDLE:
+            raise SDCError(
+                "before_optimizer_step called outside a step: the step's forward and "
+                "backward come first"
+            )
+        if self._phase == DECIDED:
+            raise SDCError("before_optimizer_step called twice in one step")
+        started = time.perf_counter()
+        if self._flags_wanted and not self._flags.sent:
+            self._flags.send(self.group)  # no bucket went through the hook (no_sync?)
+        skip = self._flags.skip_tensor() if self._flags_wanted else None
+        # The host reads the flags now unless the optimizer skips on the device and the
+        # device is a GPU (then after the optimizer step is queued, in after_optimizer_step).
+        if self._flags_wanted and (
+            not self._gate.device_skip or self.device.type != "cuda" or self._audit.due
+        ):
+            self._read_flags()
+        self._check_seconds["nonfinite"] += time.perf_counter() - started
+        self._note_replay_availability()
+        if self._audit.due and self._audit.payload is not None and not self._hold:
+            self._run_audit()
+        self._gate.arm(skip=skip, hold=self._hold)
+        if self._hold and self.scaler is not None:
+            self._let_the_scaler_keep_its_books()
+        self._phase = DECIDED
+        return not self._hold
+
+    def _let_the_scaler_keep_its_books(self) -> None:
+        # A loop that skips scaler.step() still calls scaler.update(), which needs the
+        # scaler to have checked this step's gradients: unscale them (the step is held
+        # back, so nothing uses them). Already unscaled (clipping): nothing to do.
+        with contextlib.suppress(RuntimeError):
+            self.scaler.unscale_(self.optimizer)
+
+    def _read_flags(self) -> None:
+        self._flags_read = True
+        before, halt = self._flags.read()
+        if halt:
+            self._phase = IDLE
+            raise OperatorUnreachableError(
+                f"a verdict could not be delivered to the operator within "
+                f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
+                "training here, before another step is applied"
+            )
+        if not self.config.nonfinite_check:
+            return
+        finding = classify_nonfinite(before)
+        if finding is None:
+            return
+        self._hold = True
+        verdict = self._nonfinite_verdict(finding, before)
+        if verdict is not None:
+            self._grad_verdicts.append(verdict)
+
+    @property
+    def _flags_wanted(self) -> bool:
+        return self.config.nonfinite_check or self._stop_when_unreachable
+
+    def _note_replay_availability(self) -> None:
+        if self._audit.payload is not None or self._replay_unavailable:
+            return
+        # The loop never shows the audit a micro-batch (before_backward not called).
+        self._replay_unavailable = True
+        if self.config.replay_enabled:
+            warnings.warn(
+                "sdc_agent: the replay audit needs the micro-batch and its loss: call "
+                "guard.before_backward(batch, loss) after the forward (or use Guard.step); "
+                "without it the audit is skipped and last_clean_step follows the other checks",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _run_audit(self) -> None:
+        started = time.perf_counter()
+        outcome = self._audit.audit()
+        self._check_seconds["replay"] += time.perf_counter() - started
+        self._log_tolerance()
+        finding = outcome.finding
+        if finding is not None and finding.classification != "nondeterministic":
+            self._grad_verdicts.append(self._replay_verdict(outcome))
+            self._hold = True
+            return
+        self._audited_clean = outcome.vouches
+        note = outcome.learned or (finding.message if finding is not None else None)
+        if note is not None:
+            self._report_nondeterminism(note, outcome)
+
+    def _report_nondeterminism(self, note: str, outcome: AuditOutcome) -> None:
+        if self._nondeterminism_reported:
+            log.log(logging.INFO if self.group_rank == 0 else logging.DEBUG, "sdc_agent: %s", note)
+            return
+        self._nondeterminism_reported = True
+        self._grad_verdicts.append(
+            Verdict(
+                check="replay",
+                step=self.step_count,
+                classification="nondeterministic",
+                suspect_ranks=(),
+                suspect_nodes=(),
+                localized=False,
+                last_clean_step=self.last_clean_step,
+                message=note + NONDETERMINISM_GUIDANCE,
+                evidence=outcome.evidence,
+            )
+        )
+
+    def _log_tolerance(self) -> None:
+        now = self.gradient_tolerance
+        if now is None or now == self._tolerance_logged:
+            return
+        self._tolerance_logged = now
+        log.log(
+            logging.INFO if self.group_rank == 0 else logging.DEBUG,
+            "sdc_agent: replay audit threshold: %s",
+            self._audit.noise.describe(),
+        )
+
+    def after_optimizer_step(self, *, loss: torch.Tensor | float | None = None) -> StepResult:
+        """After the optimizer step (or after skipping it): check 3, bookkeeping, reports.
+        A collective. ``loss``: what ``result.loss`` shows (default: the audited
+        micro-batch's loss)."""
+        if self._phase != DECIDED:
+            raise SDCError(
+                "after_optimizer_step called before before_optimizer_step: the checks of "
+                "this step have not run"
+                if self._phase == STEP
+                else "after_optimizer_step called outside a step"
+            )
+        if self._flags_wanted and not self._flags_read:
+            self._read_flags()  # the optimizer step is already queued on the device
+        applied = self._gate.applied if self._gate.stepped else False
+        if loss is None:
+            loss = self._audit.own_loss
+        return self._finish(applied, loss)
+
+    def _finish(
+        self, applied: torch.Tensor | bool, loss: torch.Tensor | float | None
+    ) -> StepResult:
+        step = self.step_count
+        if self._injector and bool(applied):
+            for spec in self._injector.pending("weights"):
+                if self._injector.fire(spec):
+                    corrupt_(self._weight_target(spec), spec)
+        verdicts = list(self._grad_verdicts)
+        weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
+        if weights_checked:
+            started = time.perf_counter()
+            verdict = self._check_weights(step)
+            self._check_seconds["weights"] += time.perf_counter() - started
+            if verdict is not None:
+                # Diverged weights stay diverged: report each new split once.
+                if verdict.suspect_ranks != self._reported_weight_suspects:
+                    verdicts.append(verdict)
+                    self._reported_weight_suspects = verdict.suspect_ranks
+                self.weights_diverged = True
+        blocking = [v for v in verdicts if v.classification != "nondeterministic"]
+        if not blocking and not self.weights_diverged:
+            if weights_checked or self.config.weights_every == 0:
+                self._verified["weights"] = step
+            if self._audited_clean or not self._replay_verifies:
+                self._verified["replay"] = step
+            self.last_clean_step = min(self._verified.values())
+        for v in verdicts:
+            log.log(
+                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
+                "sdc_agent verdict at step %d (%s check): %s",
+                step,
+                v.check,
+                v.message,
+            )
+        self._report(step, verdicts)
+        self._phase = IDLE
+        return StepResult(step=step, loss=loss, applied=applied, verdicts=tuple(verdicts))
+
+    # The phases under their first names.
+
+    def check_gradients(self) -> bool:
+        """After backward: :meth:`before_optimizer_step`, under its first name."""
+        return self.before_optimizer_step()
+
+    def finish_step(self, *, applied: bool, loss: torch.Tensor | float | None = None) -> StepResult:
+        """:meth:`after_optimizer_step`, under its first name. ``applied``: whether the
+        loop ran the optimizer step (the Guard also sees it through the optimizer)."""
+        if self._phase != DECIDED:
+            raise SDCError("finish_step called outside a step: call begin_step first")
+        if self._flags_wanted and not self._flags_read:
+            self._read_flags()
+        seen = self._gate.applied if self._gate.stepped else False
+        return self._finish(seen if applied else False, loss)
+
+    # -- verdicts --------------------------------------------------------------------------
+
+    def _nonfinite_verdict(self, finding: NonFiniteFinding, before: list[bool]) -> Verdict | None:
+        evidence: dict[str, Any] = {"nonfinite_before_allreduce": self._global(before)}
         classification, suspects, localized, message = (
             finding.classification,
             finding.suspects,
             finding.localized,
             finding.message,
         )
+        corroborated: bool | None = None
+        transient: bool | None = None
         payload = self._audit.payload
-        if classification == "rank" and payload is not None and payload.divisor > 1:
-            # Only the first micro-batch travels: a replay of it says nothing about the rest.
-            evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
-        elif classification == "rank" and payload is not None:
-            # Replay the suspects' micro-batches on other nodes: bad data stays bad there.
-            replayed = self._audit.replay_nonfinite(suspects)
-            evidence["replayed_elsewhere_nonfinite"] = {
-                str(self.topology.global_rank(p)): bad for p, bad in replayed.items()
-            }
-            if replayed and len(replayed) == len(suspects) and all(replayed.values()):
-                classification, suspects, localized = "training", (), False
-                message += "; replayed on another node and non-finite again: the data or "
-                message += "the model, not hardware"
-            elif replayed:
-                message += "; a replay on another node was finite"
+        if classification == "rank":
+            corroborated = False
+            if payload is None:
+                evidence["replayed_elsewhere_nonfinite"] = "not replayed: no micro-batch"
+            elif self._audit.micro_batches > 1:
+                # Only the first micro-batch travels: a replay of it says nothing about the rest.
+                evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
+            elif self._audit.loss_fn is not None:
+                replayed = self._audit.replay_nonfinite(suspects)
+                evidence["replayed_elsewhere_nonfinite"] = {
+                    str(self.topology.global_rank(p)): bad for p, (bad, _) in replayed.items()
+                }
+                if (
+                    replayed
+                    and len(replayed) == len(suspects)
+                    and all(bad for bad, _ in replayed.values())
+                ):
+                    classification, suspects, localized = "training", (), False
+                    corroborated = None
+                    message += "; replayed on another node and non-finite again: the data or "
+                    message += "the model, not hardware"
+                elif replayed and len(replayed) == len(suspects):
+                    corroborated = True
+                    transient = not all(again for _, again in replayed.values())
+                    message += "; a replay on another node was finite"
+                    message += (
+                        " and the suspect's own recomputation was finite too (transient)"
+                        if transient
+                        else ", the suspect's own recomputation non-finite again (persistent)"
+                    )
+        if classification == "training" and self.scaler is not None:
+            return None  # overflow: GradScaler's business (it skips the step and backs off)
         return Verdict(
             check="nonfinite",
             step=self.step_count,
@@ -345,6 +681,8 @@ class Guard:
             last_clean_step=self.last_clean_step,
             message=message,
             evidence=evidence,
+            transient=transient,
+            corroborated=corroborated,
         )
 
     def _replay_verdict(self, outcome: AuditOutcome) -> Verdict:
@@ -361,46 +699,10 @@ class Guard:
             message=finding.message,
             evidence=outcome.evidence,
             transient=finding.transient,
+            corroborated=finding.corroborated,
         )
 
-    def finish_step(self, *, applied: bool, loss: torch.Tensor | float | None = None) -> StepResult:
-        """After the optimizer step (or after skipping it): weight check and bookkeeping."""
-        self._require_step("finish_step")
-        step = self.step_count
-        if applied:
-            for spec in self._injector.pending("weights"):
-                if self._injector.fire(spec):
-                    corrupt_(self._weight_target(spec), spec)
-        verdicts = list(self._grad_verdicts)
-        weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
-        if weights_checked:
-            started = time.perf_counter()
-            verdict = self._check_weights(step)
-            self._check_seconds["weights"] += time.perf_counter() - started
-            if verdict is not None:
-                # Diverged weights stay diverged: report each new split once.
-                if verdict.suspect_ranks != self._reported_weight_suspects:
-                    verdicts.append(verdict)
-                    self._reported_weight_suspects = verdict.suspect_ranks
-                self.weights_diverged = True
-        if not verdicts and not self.weights_diverged:
-            if weights_checked or self.config.weights_every == 0:
-                self._verified["weights"] = step
-            if self._audited_clean or not self._replay_verifies:
-                self._verified["replay"] = step
-            self.last_clean_step = min(self._verified.values())
-        for v in verdicts:
-            log.log(
-                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
-                "sdc_agent verdict at step %d (%s check): %s",
-                step,
-                v.check,
-                v.message,
-            )
-        self._report(step, verdicts)
-        self._in_step = False
-        loss_value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else loss
-        return StepResult(step=step, loss=loss_value, applied=applied, verdicts=tuple(verdicts))
+    # -- checkpoints, resume ---------------------------------------------------------------
 
     def restore(self, step: int, location: str | None = None) -> None:
         """The job reloaded a checkpoint of ``step``: count from there, weights trusted.
@@ -408,7 +710,7 @@ class Guard:
         With a reporter, tells the operator (a ``resume`` report, with the checkpoint's
         ``location`` if given): that is how an incident learns its job is running again.
         """
-        if self._in_step:
+        if self._phase != IDLE:
             raise SDCError("restore called during a step")
         self.step_count = step
         self.last_clean_step = step
@@ -444,30 +746,39 @@ class Guard:
 
     @property
     def _replay_verifies(self) -> bool:
-        # Only audits that can run vouch for steps: without a loss function, or in the
-        # low-level form (no micro-batch to replay), the audit never runs.
+        # Only audits that can run vouch for steps: without a loss function, without the
+        # micro-batch, or on a job whose replays are not reproducible, the audit never
+        # vouches, and last_clean_step follows the other checks.
         return (
             self.config.replay_enabled
-            and self.config.replay_mode == "audit"
-            and self.loss_fn is not None
+            and self._audit.verifies
+            and self._audit.loss_fn is not None
             and not self._replay_unavailable
         )
 
     def close(self, timeout: float = 10.0) -> None:
-        """Deliver queued reports (up to ``timeout`` seconds) and remove the forward hooks
-        of injected faults (the comm hook stays with DDP)."""
+        """Deliver queued reports (up to ``timeout`` seconds), remove the forward hooks of
+        injected faults and the Guard's hooks on the model and optimizer (the comm hook
+        stays with DDP)."""
         self._injector.detach()
+        self._forward_handle.remove()
+        self._gate.remove()
         if self.reporter is not None:
             self.reporter.close(timeout)
+
+    # -- reports ---------------------------------------------------------------------------
 
     def _report(self, step: int, verdicts: list[Verdict]) -> None:
         if self.reporter is None:
             return
         now = time.time()
+        me = self.topology.ranks[self.group_rank].node
         for v in verdicts:
-            self.reporter.submit(self._verdict_report(v, now))
+            if me in self._reporters_of(v):
+                self.reporter.submit(self._verdict_report(v, now))
         every = self.config.heartbeat_every
         if every and step % every == 0:
+            tick = time.monotonic()
             self.reporter.submit(
                 HeartbeatReport(
                     reporter=self._identity,
@@ -475,9 +786,23 @@ class Guard:
                     step=step,
                     last_clean_step=self.last_clean_step,
                     check_seconds=dict(self._check_seconds),
+                    interval_seconds=max(0.0, tick - self._heartbeat_at),
+                    fingerprint_kernel=self.fingerprint_kernel,
+                    gradient_tolerance=self.gradient_tolerance,
+                    bit_reproducible=self.bit_reproducible,
+                    run_id=self.run_id,
                 )
             )
+            self._heartbeat_at = tick
             self._check_seconds = dict.fromkeys(self._check_seconds, 0.0)
+
+    def _reporters_of(self, v: Verdict) -> tuple[str, ...]:
+        group_of = {r.rank: i for i, r in enumerate(self.topology.ranks)}
+        suspects = [group_of[r] for r in v.suspect_ranks if r in group_of]
+        nodes = [r.node for r in self.topology.ranks]
+        return elect_reporters(
+            suspects, nodes, self._audit.replayer_of, self.config.verdict_reporters
+        )
 
     def _verdict_report(self, v: Verdict, now: float) -> VerdictReport:
         by_rank = {r.rank: r for r in self.topology.ranks}
@@ -503,6 +828,8 @@ class Guard:
             suspects=suspects,
             message=v.message,
             evidence=v.evidence,
+            corroborated=v.corroborated,
+            run_id=self.run_id,
         )
         try:
             encode_report(report)
@@ -522,10 +849,6 @@ class Guard:
         return report
 
     # -- internals -----------------------------------------------------------------------
-
-    def _require_step(self, what: str) -> None:
-        if not self._in_step:
-            raise SDCError(f"{what} called outside a step: call begin_step first")
 
     def _global(self, flags: list[bool]) -> list[int]:
         return [self.topology.global_rank(r) for r, bad in enumerate(flags) if bad]
@@ -550,6 +873,10 @@ class Guard:
                 f"replica weights differ and no majority agrees (ranks "
                 f"{', '.join(map(str, suspects))}): cannot tell which is wrong"
             )
+        # A strict majority on at least two other nodes is independent evidence.
+        majority_nodes = {
+            self.topology.node_of(r) for r in range(self.world_size) if r not in split.suspects
+        } - set(self.topology.nodes_of(split.suspects))
         return Verdict(
             check="weights",
             step=step,
@@ -560,6 +887,7 @@ class Guard:
             last_clean_step=self.last_clean_step,
             message=message,
             evidence=evidence,
+            corroborated=split.localized and len(majority_nodes) >= 2,
         )
 
     def _resolve_grad_targets(self) -> dict[FaultSpec, nn.Parameter]:
@@ -612,6 +940,18 @@ class Guard:
                 for b, saved in zip(self.model.buffers(), buffers, strict=True):
                     b.copy_(saved)
 
+    def _forward_pre(self, _module: nn.Module, _args: Any) -> None:
+        if self._settling or not torch.is_grad_enabled():
+            return  # evaluation forwards are not steps
+        if self._phase == DECIDED:
+            raise SDCError(
+                "a training forward began before guard.after_optimizer_step(): finish the "
+                "previous step first"
+            )
+        if self._phase == IDLE:
+            self._begin()
+        self._audit.forward_starts()
+
     def _comm_hook(
         self, _state: object, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
@@ -623,23 +963,27 @@ class Guard:
                 .get_future()
                 .then(lambda f: f.value()[0])
             )
+        if self._phase == DECIDED:
+            raise SDCError(
+                "a backward pass after before_optimizer_step(): the step's checks have run; "
+                "call after_optimizer_step() first"
+            )
         if self._injector:
             self._inject_grad("grad_local", bucket, buffer)
         self._audit.observe_bucket(bucket)
-        if self.config.nonfinite_check:
-            self._nonfinite.observe_local(buffer)
         # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
-        # size; dividing differs in the last bit when the world size is not a power of
-        # two), so guarded training gives bit-identical weights.
-        buffer.mul_(1.0 / self.world_size)
+        # size), fused with check 1's look at every element: one pass over the bucket.
+        self._flags.scale_and_check(buffer, self.config.nonfinite_check)
         fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        if bucket.is_last() and self._flags_wanted:
+            self._flags.send(self.group)  # rides right behind the step's last bucket
+
+        if not self._injector:
+            return fut.then(lambda f: f.value()[0])
 
         def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = f.value()[0]
-            if self._injector:
-                self._inject_grad("grad_reduced", bucket, reduced)
-            if self.config.nonfinite_check:
-                self._nonfinite.observe_reduced(reduced)
+            self._inject_grad("grad_reduced", bucket, reduced)
             return reduced
 
         return fut.then(after)

@@ -1,10 +1,23 @@
-"""Check 1: non-finite gradients, before and after the all-reduce.
+"""Check 1: non-finite gradients, seen in the pass the communication hook makes anyway.
 
-The DDP communication hook hands every bucket to :class:`NonFiniteMonitor` twice: the
-local gradients before the all-reduce and the reduced ones after it. The monitor keeps
-one ``aminmax`` per bucket on the device (NaN propagates into min and max, an infinity
-becomes one of them, and unlike a sum it cannot overflow); the flags meet the host once
-per step, after one small all-reduce that tells every rank what every other rank saw.
+The hook must scale every bucket by 1/world size before the all-reduce (that is DDP's
+arithmetic). :class:`StepFlags` does it with
+``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel ``torch.amp.GradScaler``
+unscales with: one pass over the bucket that multiplies (bit-equal to ``mul_``, tested for
+float32, bfloat16 and float16) and raises a device flag when an element is not finite.
+After the step's last bucket, every rank's flag (and the halt flag of the operator-
+unreachable policy) travels in one small all-reduce of ``world + 1`` floats, queued right
+behind that bucket; its result stays on the device, where it can hold the optimizer step
+back without the host ever waiting for it.
+
+What this sees: a NaN or infinity in any rank's local gradients, with the rank named (the
+flag vector has one slot per rank). What it does not see: the reduced gradients (that
+would be a second pass). A non-finite value that the collective itself produces from
+finite inputs reaches the optimizer; the rank that received it then computes non-finite
+local gradients at the next step (its weights are no longer finite), which this check
+names, and check 3 sees the replicas differ. A finite value corrupted inside the
+collective is check 3's (replicas differ) or, where it reaches every rank alike,
+nobody's.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonFiniteFinding", "NonFiniteMonitor", "classify_nonfinite"]
+__all__ = ["NonFiniteFinding", "StepFlags", "classify_nonfinite"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +40,13 @@ class NonFiniteFinding:
     message: str
 
 
-def classify_nonfinite(before: Sequence[bool], after: Sequence[bool]) -> NonFiniteFinding | None:
-    """Decide from each rank's flags (non-finite before / after the all-reduce)."""
+def classify_nonfinite(
+    before: Sequence[bool], after: Sequence[bool] | None = None
+) -> NonFiniteFinding | None:
+    """Decide from each rank's flags (non-finite before / after the all-reduce; ``after``
+    only where the reduced gradients were checked)."""
+    if after is None:
+        after = [False] * len(before)
     if len(before) != len(after):
         raise ValueError("before and after must have one flag per rank")
     bad_before = tuple(r for r, bad in enumerate(before) if bad)
@@ -64,44 +82,62 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-class NonFiniteMonitor:
-    """Collects per-bucket flags during backward; :meth:`exchange` shares them."""
+class StepFlags:
+    """One step's check-1 flags on the device (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._before: list[torch.Tensor] = []
-        self._after: list[torch.Tensor] = []
+    def __init__(self, world: int, me: int, device: torch.device) -> None:
+        self.world = world
+        self.me = me
+        self.device = device
+        self.inv_world = torch.full((1,), 1.0 / world, dtype=torch.float32, device=device)
+        self.local = torch.zeros(1, dtype=torch.float32, device=device)
+        self._sent: list[tuple[torch.Tensor, dist.Work]] = []
+        self.halt = False
 
-    def reset(self) -> None:
-        self._before.clear()
-        self._after.clear()
+    def reset(self, *, halt: bool) -> None:
+        self.local.zero_()
+        self._sent = []
+        self.halt = halt
 
-    def observe_local(self, bucket: torch.Tensor) -> None:
-        self._before.append(torch.stack(torch.aminmax(bucket)).float())
+    def scale_and_check(self, buffer: torch.Tensor, check: bool) -> None:
+        """Scale ``buffer`` by 1/world in place; with ``check``, flag a non-finite element."""
+        if check and buffer.is_floating_point() and not buffer.is_sparse:
+            torch._amp_foreach_non_finite_check_and_unscale_([buffer], self.local, self.inv_world)
+        else:
+            # DDP without a hook multiplies by 1/world (dividing differs in the last bit
+            # when the world size is not a power of two).
+            buffer.mul_(1.0 / self.world)
 
-    def observe_reduced(self, bucket: torch.Tensor) -> None:
-        self._after.append(torch.stack(torch.aminmax(bucket)).float())
+    @property
+    def sent(self) -> bool:
+        return bool(self._sent)
 
-    @staticmethod
-    def _bad(extrema: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        if not extrema:
-            return torch.zeros((), dtype=torch.int32, device=device)
-        return (~torch.isfinite(torch.cat(extrema)).all()).to(device, torch.int32)
+    def send(self, group: dist.ProcessGroup | None) -> None:
+        """Share this rank's flags with every rank (asynchronously). A collective."""
+        vector = torch.zeros(self.world + 1, dtype=torch.float32, device=self.device)
+        vector[self.me : self.me + 1].copy_(self.local)
+        if self.halt:
+            vector[self.world] = 1.0
+        work = dist.all_reduce(vector, group=group, async_op=True)
+        assert work is not None
+        self._sent.append((vector, work))
 
-    def exchange(
-        self, group: dist.ProcessGroup | None, device: torch.device, *, halt: bool = False
-    ) -> tuple[list[bool], list[bool], list[bool]]:
-        """Every rank's ``(before, after, halt)`` flags, by group rank. A collective.
+    def gathered(self) -> torch.Tensor:
+        """Every rank's flags, ``[world + 1]`` on the device (after :meth:`send`). Waiting
+        makes the device wait, not the host, where the backend allows it (NCCL)."""
+        total = None
+        for vector, work in self._sent:
+            work.wait()
+            total = vector if total is None else total + vector
+        assert total is not None
+        return total
 
-        ``halt`` rides along for the Guard's local policy (a rank that must stop
-        training); the check itself ignores it.
-        """
-        world = dist.get_world_size(group)
-        flags = torch.zeros((world, 3), dtype=torch.int32, device=device)
-        me = dist.get_rank(group)
-        flags[me, 0] = self._bad(self._before, device)
-        flags[me, 1] = self._bad(self._after, device)
-        flags[me, 2] = int(halt)
-        dist.all_reduce(flags, group=group)
-        rows = flags.tolist()  # the one host synchronisation of check 1 per step
-        self.reset()
-        return [bool(r[0]) for r in rows], [bool(r[1]) for r in rows], [bool(r[2]) for r in rows]
+    def skip_tensor(self) -> torch.Tensor:
+        """A 0-dim float on the device (the shape fused optimizers take): 1 when any rank
+        is non-finite or halts."""
+        return (self.gathered().sum() > 0).to(torch.float32)
+
+    def read(self) -> tuple[list[bool], bool]:
+        """``(non-finite before the all-reduce, by rank; anyone halts)`` on the host."""
+        rows = self.gathered().tolist()
+        return [v > 0 for v in rows[: self.world]], rows[self.world] > 0

@@ -2,26 +2,28 @@
 
 On an audit step every rank recomputes one micro-batch of a partner rank on another node
 (the ring shifts by the number of ranks per node), with the partner's RNG and autocast
-state, and compares the loss bit for bit and the local (pre-all-reduce) gradients by
-fingerprint. A rank whose hardware computes wrong shows up twice: in its own work, which
-the next node replays, and in its replay of its partner's work. The rank common to two
-mismatches is the suspect and the fault is persistent (it reproduced in both of its
-computations). A single mismatch names two ranks; a third rank on a third node replays the
-same micro-batch and breaks the tie; the fault is transient (its other computation was
-right). Patterns no single faulty rank explains, and tie-breaks that agree with neither
-side, point at a model that is not deterministic and accuse nobody.
+state and the same gradient reaching its loss, and compares the loss and the local
+(pre-all-reduce) gradients (see :mod:`sdc_agent.evidence` for what counts as a
+difference). A rank whose hardware computes wrong shows up twice: in its own work, which
+the next node replays, and in its replay of its partner's work. Before anyone is accused,
+a second round re-runs the work in question: its owner recomputes it (not reproducible
+there: transient), its replayer replays it again, and a rank on a third node replays it
+once. The rank that two other nodes agree against is the suspect. Patterns no single
+faulty rank explains, and third replays that agree with neither side, point at a
+computation that is not reproducible and accuse nobody.
 
 This module holds the pure decisions (:func:`plan_ring`, :func:`explain_mismatches`,
-:func:`choose_tiebreakers`, :func:`resolve`) and the mechanics of moving a micro-batch
-between ranks and recomputing it (:class:`Payload`, :func:`exchange`, :func:`replay`).
+:func:`choose_tiebreakers`, :func:`judge`, :func:`resolve`) and the mechanics of moving a
+micro-batch between ranks and recomputing it (:class:`Payload`, :func:`exchange`,
+:func:`replay`).
 """
 
 from __future__ import annotations
 
 import io
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +31,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fingerprint import Fingerprinter, _as_flat_bits, combine_fingerprints
+from .errors import SDCError
+from .fingerprint import _as_flat_bits
 
 __all__ = [
     "Payload",
+    "Recheck",
     "ReplayFinding",
+    "RngState",
+    "choose_thirds",
     "choose_tiebreakers",
     "exchange",
     "explain_mismatches",
+    "forbid_collectives",
+    "judge",
+    "map_tensors",
     "plan_ring",
     "replay",
+    "replay_complete",
     "resolve",
     "storm_threshold",
 ]
@@ -146,6 +156,34 @@ def choose_tiebreakers(
     return out
 
 
+def choose_thirds(
+    owners: Sequence[int],
+    replayer_of: Mapping[int, int],
+    nodes: Sequence[str],
+    involved: set[int],
+) -> dict[int, int]:
+    """``third_of[q]``: for each owner whose work is rechecked, a rank on a third node.
+
+    Never a rank that may itself be wrong here (an owner being rechecked, or its
+    replayer); preferably a rank in no mismatch at all (lowest first), else one whose
+    mismatches the ring already explains (the partner of a persistent rank: its own work
+    was right, a faulty replayer made it differ); preferably one not already chosen for
+    another recheck. Owners without a candidate (fewer than three nodes) are left out.
+    """
+    suspects = {r for q in owners for r in (q, replayer_of[q])}
+    taken: set[int] = set()
+    out = {}
+    for q in owners:
+        avoid = {nodes[q], nodes[replayer_of[q]]}
+        ok = [t for t in range(len(nodes)) if nodes[t] not in avoid]
+        ok = [t for t in ok if t not in suspects]
+        ranked = sorted(ok, key=lambda t: (t in involved, t in taken, t))
+        if ranked:
+            out[q] = ranked[0]
+            taken.add(ranked[0])
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayFinding:
     classification: str
@@ -155,85 +193,174 @@ class ReplayFinding:
     transient: bool | None
     message: str
     unresolved: tuple[int, ...] = field(default=())
+    corroborated: bool | None = None
 
 
-def resolve(
-    explanation: Explanation,
-    replayer_of: Mapping[int, int],
-    tiebreak: Mapping[int, str],
-) -> ReplayFinding:
-    """Final finding. ``tiebreak[p]``: ``"original"`` (the third rank agreed with ``p``'s
-    own result, so the replayer was wrong), ``"replay"`` (it agreed with the replayer, so
-    ``p`` was wrong) or ``"neither"``. Unexplained mismatches missing from ``tiebreak``
-    had no third node."""
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    """The second round for one owner ``q`` whose work differed from its replay by ``R``.
+
+    ``q`` recomputes its own micro-batch (``rerun``), ``R`` replays it again
+    (``rereplay``) and a rank ``third`` on a third node replays it once. Each field says
+    whether two of those computations agree (within the tolerance in force); ``None``
+    where the computation could not be made (no third node).
+    """
+
+    owner: int
+    replayer: int
+    third: int | None
+    third_agrees_original: bool | None
+    third_agrees_replay: bool | None
+    rerun_reproduces: bool
+    """``q``'s rerun agrees with ``q``'s original."""
+    rereplay_reproduces: bool
+    """``R``'s second replay agrees with its first."""
+
+
+def judge(recheck: Recheck) -> tuple[str, int | None, bool | None]:
+    """``(outcome, suspect, transient)`` for one recheck.
+
+    ``owner`` / ``replayer``: two other nodes agree with each other and not with that
+    rank (``third`` and the other side); the rank's own second computation says whether
+    the wrong result reproduces there (persistent) or not (transient). ``neither``: the
+    third node agrees with neither side, or with both: not something one GPU explains.
+    ``unresolved``: no third node.
+    """
+    if recheck.third is None:
+        return "unresolved", None, None
+    with_original = bool(recheck.third_agrees_original)
+    with_replay = bool(recheck.third_agrees_replay)
+    if with_replay and not with_original:
+        return "owner", recheck.owner, not recheck.rerun_reproduces
+    if with_original and not with_replay:
+        return "replayer", recheck.replayer, not recheck.rereplay_reproduces
+    return "neither", None, None
+
+
+def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFinding:
+    """The audit's finding from the ring's explanation and the second round."""
     if explanation.storm:
         return ReplayFinding(
             "nondeterministic",
             (),
             False,
             None,
-            "too many replays differ for one faulty GPU: the model is not deterministic "
-            "(run the calibration mode); no hardware is accused",
+            "too many replays differ for one faulty GPU: the computation is not "
+            "reproducible across processes beyond the noise learned so far; no hardware "
+            "is accused",
         )
-    if any(v == "neither" for v in tiebreak.values()):
+    outcomes = [(r, *judge(r)) for r in rechecks]
+    if any(o == "neither" for _, o, _, _ in outcomes):
         return ReplayFinding(
             "nondeterministic",
             (),
             False,
             None,
-            "a third replay agreed with neither side: the model is not deterministic; "
-            "no hardware is accused",
+            "a third node's replay agreed with neither side (or with both): the "
+            "computation is not reproducible; no hardware is accused",
         )
-    suspects: set[int] = set(explanation.persistent)
-    transient_suspects: set[int] = set()
+    suspects: dict[int, bool | None] = {}
     unresolved: set[int] = set(explanation.ambiguous)
-    for p in explanation.unexplained:
-        outcome = tiebreak.get(p)
-        if outcome == "replay":
-            transient_suspects.add(p)
-        elif outcome == "original":
-            transient_suspects.add(replayer_of[p])
+    for recheck, outcome, suspect, transient in outcomes:
+        if outcome == "unresolved":
+            unresolved.update((recheck.owner, recheck.replayer))
         else:
-            unresolved.update((p, replayer_of[p]))
-    all_suspects = tuple(sorted(suspects | transient_suspects | unresolved))
-    localized = not unresolved
-    transient: bool | None
-    if not localized:
-        transient = None
-        message = (
-            f"replays differ between ranks {', '.join(map(str, all_suspects))} and no third "
-            "node can tell which is wrong (the audit needs at least three nodes to localize)"
+            assert suspect is not None
+            suspects[suspect] = suspects.get(suspect, transient)
+    names = tuple(sorted(set(suspects) | unresolved))
+    listed = ", ".join(map(str, names))
+    if unresolved:
+        return ReplayFinding(
+            "rank",
+            names,
+            False,
+            None,
+            f"replays differ between ranks {listed} and no third node can tell which is "
+            "wrong (the audit needs at least three nodes to localize)",
+            tuple(sorted(unresolved)),
+            corroborated=False,
         )
-    elif transient_suspects and not suspects:
-        transient = True
+    flags = set(suspects.values())
+    transient = flags.pop() if len(flags) == 1 else None
+    if transient:
         message = (
-            f"rank(s) {', '.join(map(str, all_suspects))} computed a wrong result once; a "
-            "third node confirmed it and the rank's other computation was right (transient)"
+            f"rank(s) {listed} computed a wrong result once: two other nodes agree with "
+            "each other, and the rank's own recomputation was right this time (transient)"
         )
     else:
-        transient = False if not transient_suspects else None
         message = (
-            f"rank(s) {', '.join(map(str, all_suspects))} computed wrong results both in "
-            "their own work and in their replay of another rank's work (persistent)"
+            f"rank(s) {listed} computed a wrong result and reproduced it when recomputing "
+            "its own micro-batch, while two other nodes agree with each other (persistent)"
         )
-    return ReplayFinding(
-        "rank", all_suspects, localized, transient, message, tuple(sorted(unresolved))
-    )
+    return ReplayFinding("rank", names, True, transient, message, (), corroborated=True)
 
 
 # -- moving and recomputing a micro-batch ---------------------------------------------------
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (dicts, lists, tuples, nested)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
         return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, Mapping):  # transformers' BatchEncoding and other UserDicts
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_map_tensors(v, fn) for v in obj))
     if isinstance(obj, list | tuple):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
+
+
+_map_tensors = map_tensors
+
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+)
+
+
+@contextmanager
+def forbid_collectives() -> Iterator[None]:
+    """Collectives called through ``torch.distributed`` raise instead of hanging.
+
+    A replay runs on some ranks only (tie-breaks, reruns), so a model whose forward makes
+    a collective (an MoE all-to-all) would wait there forever for ranks that are not
+    replaying. The ring round, which every rank runs, reaches it first on every rank,
+    so every rank raises the same clear error.
+    """
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise SDCError(
+                f"the model's forward calls torch.distributed.{name}, a collective, and the "
+                "replay audit recomputes micro-batches on some ranks only: set "
+                "replay_every=0 (and replay_probability=0) for this model"
+            )
+
+        return call
+
+    try:
+        for name in saved:
+            setattr(dist, name, refuse(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
@@ -251,33 +378,35 @@ class Payload:
     """One micro-batch with everything needed to recompute it bit for bit."""
 
     batch: Any
-    divisor: int
-    """The micro-batch's loss is divided by this (gradient accumulation) before backward."""
     rng_cpu: torch.Tensor
     rng_cuda: torch.Tensor | None
     autocast: dict[str, tuple[bool, torch.dtype]]
+    loss_grad: torch.Tensor | None = None
+    """The gradient that reached the loss in the original backward: ``1 / n`` under
+    gradient accumulation, times the loss scale with a GradScaler, whatever the loop did
+    between the loss and ``backward()``. ``None``: 1."""
 
     @classmethod
-    def capture(cls, batch: Any, divisor: int, *, copy: bool = False) -> Payload:
+    def capture(cls, batch: Any, *, copy: bool = False) -> Payload:
         """Record the RNG and autocast state now, right before the micro-batch's forward.
 
         With ``copy`` the batch's tensors are cloned, so a model or loss function that
         changes its inputs in place cannot change what gets replayed.
         """
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        state = RngState.capture()
         if copy:
             batch = _map_tensors(batch, lambda t: t.detach().clone())
-        return cls(batch, divisor, torch.get_rng_state(), cuda, _autocast_state())
+        return cls(batch, state.cpu, state.cuda, state.autocast)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save(
             {
                 "batch": _map_tensors(self.batch, lambda t: t.detach().cpu()),
-                "divisor": self.divisor,
                 "rng_cpu": self.rng_cpu,
                 "rng_cuda": self.rng_cuda,
                 "autocast": self.autocast,
+                "loss_grad": None if self.loss_grad is None else self.loss_grad.detach().cpu(),
             },
             buf,
         )
@@ -287,7 +416,21 @@ class Payload:
     def from_bytes(cls, data: bytes) -> Payload:
         # Only ever from another rank of the same job, which runs the same code.
         d = torch.load(io.BytesIO(data), weights_only=False)
-        return cls(d["batch"], d["divisor"], d["rng_cpu"], d["rng_cuda"], d["autocast"])
+        return cls(d["batch"], d["rng_cpu"], d["rng_cuda"], d["autocast"], d["loss_grad"])
+
+
+@dataclass(frozen=True, slots=True)
+class RngState:
+    """The generators and autocast state a forward pass starts from."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    autocast: dict[str, tuple[bool, torch.dtype]]
+
+    @classmethod
+    def capture(cls) -> RngState:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda, _autocast_state())
 
 
 def exchange(
@@ -337,27 +480,13 @@ def loss_bits(loss: torch.Tensor) -> torch.Tensor:
     return _as_flat_bits(loss)[:1].to(torch.int64)[0]
 
 
-def combine_per_parameter(
-    fingerprints: Sequence[torch.Tensor | None], device: torch.device
-) -> torch.Tensor:
-    """One fingerprint of per-parameter fingerprints, in parameter order; ``None`` (no
-    gradient) counts as the fingerprint of zeros."""
-    zero = torch.zeros(2, dtype=torch.int64, device=device)
-    per = [zero if f is None else f.to(device) for f in fingerprints]
-    return combine_fingerprints(torch.stack(per)) if per else zero
+GradSink = Callable[[int, torch.Tensor], None]
+"""Called with a parameter's index and its replayed gradient, once it is complete."""
 
 
-def gradient_fingerprint(
-    grads: Sequence[torch.Tensor | None], fingerprinter: Fingerprinter, device: torch.device
-) -> torch.Tensor:
-    """One fingerprint of per-parameter gradients, in parameter order."""
-    return combine_per_parameter([None if g is None else fingerprinter(g) for g in grads], device)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
-    loss: torch.Tensor
-    grads: list[torch.Tensor | None]
+class _SharedAcrossPasses(Exception):
+    """A parameter's gradient was accumulated twice in one replay (reentrant
+    checkpointing of a region that shares it with the rest of the model)."""
 
 
 def replay(
@@ -366,36 +495,94 @@ def replay(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     payload: Payload,
     device: torch.device,
-) -> ReplayResult:
+    sink: GradSink,
+    keep: set[int] | None = None,
+) -> torch.Tensor:
     """Recompute ``payload``'s loss and local gradients on ``module`` without side effects.
 
-    The gradients come from :func:`torch.autograd.grad`, so ``.grad``, DDP's reducer and
-    the optimizer never see them; RNG state and buffers (BatchNorm statistics) are put
-    back afterwards.
+    ``backward`` runs (so reentrant activation checkpointing works, which
+    :func:`torch.autograd.grad` refuses) with each parameter's ``.grad`` set aside: a
+    post-accumulate-grad hook hands every replayed gradient to ``sink`` the moment it is
+    complete and frees it, so no second gradient set ever exists. The real gradients are
+    put back untouched; DDP's reducer does not take part (it expects no gradients outside
+    a DDP forward, and ``module`` is the unwrapped model). RNG state and buffers
+    (BatchNorm statistics) are put back afterwards. Parameters in ``keep`` (whose
+    gradient more than one backward pass accumulates) are handed over at the end instead.
+    Returns the detached loss.
     """
+    keep = set() if keep is None else keep
     batch = _map_tensors(payload.batch, lambda t: t.to(device))
-    own_cpu = torch.get_rng_state()
-    own_cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    own = RngState.capture()
     buffers = [b.detach().clone() for b in module.buffers()]
+    saved = [p.grad for p in params]
+    seen: set[int] = set()
+
+    def hook_for(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if i in keep:
+                return
+            if i in seen:
+                raise _SharedAcrossPasses(i)
+            seen.add(i)
+            grad = param.grad
+            param.grad = None
+            if grad is not None:
+                with torch.no_grad():
+                    sink(i, grad)
+
+        return hook
+
+    handles = []
     try:
+        for p in params:
+            p.grad = None
+        handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
         torch.set_rng_state(payload.rng_cpu)
         if payload.rng_cuda is not None and torch.cuda.is_initialized():
             torch.cuda.set_rng_state(payload.rng_cuda)
-        with ExitStack() as stack:
-            for dev, (enabled, dtype) in payload.autocast.items():
-                if enabled:
-                    stack.enter_context(torch.autocast(dev, dtype=dtype))
-            loss = loss_fn(module, batch)
-        grads = torch.autograd.grad(
-            loss / payload.divisor if payload.divisor != 1 else loss,
-            list(params),
-            allow_unused=True,
-        )
-    finally:
-        torch.set_rng_state(own_cpu)
-        if own_cuda is not None:
-            torch.cuda.set_rng_state(own_cuda)
+        with forbid_collectives():
+            with ExitStack() as stack:
+                for dev, (enabled, dtype) in payload.autocast.items():
+                    if enabled:
+                        stack.enter_context(torch.autocast(dev, dtype=dtype))
+                loss = loss_fn(module, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise SDCError("loss_fn must return a scalar tensor")
+            grad = None if payload.loss_grad is None else payload.loss_grad.to(loss.device)
+            torch.autograd.backward(loss, grad_tensors=grad)
         with torch.no_grad():
-            for b, saved in zip(module.buffers(), buffers, strict=True):
-                b.copy_(saved)
-    return ReplayResult(loss.detach(), list(grads))
+            for i in sorted(keep):
+                g = params[i].grad
+                params[i].grad = None
+                if g is not None:
+                    sink(i, g)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+        torch.set_rng_state(own.cpu)
+        if own.cuda is not None:
+            torch.cuda.set_rng_state(own.cuda)
+        with torch.no_grad():
+            for b, old in zip(module.buffers(), buffers, strict=True):
+                b.copy_(old)
+    return loss.detach()
+
+
+def replay_complete(
+    module: nn.Module,
+    params: Sequence[nn.Parameter],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    payload: Payload,
+    device: torch.device,
+    sink_factory: Callable[[], GradSink],
+    keep: set[int],
+) -> torch.Tensor:
+    """:func:`replay`, once more with the parameters it found accumulated twice kept to
+    the end (``keep`` grows; later replays of the run need no second try)."""
+    while True:
+        try:
+            return replay(module, params, loss_fn, payload, device, sink_factory(), keep)
+        except _SharedAcrossPasses as shared:
+            keep.add(int(shared.args[0]))

@@ -264,9 +264,10 @@ class Reporter:
                         self.dropped += 1
                 self._cond.notify_all()
             if outcome == "retry":
-                backoff = min(
+                backoff = _backoff(
+                    self._attempt,
+                    self.config.initial_backoff_seconds,
                     self.config.max_backoff_seconds,
-                    self.config.initial_backoff_seconds * 2**self._attempt,
                 )
                 self._attempt += 1
                 if self._stop.wait(random.uniform(0, backoff)):  # full jitter; close() ends it
@@ -370,3 +371,10 @@ class Reporter:
             # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
             return "retry"
+
+
+def _backoff(attempt: int, initial: float, most: float) -> float:
+    """The longest wait before retry number ``attempt + 1``: doubling from ``initial`` up to
+    ``most``. The exponent is capped: ``2.0 ** 1024`` overflows a float, and an operator
+    down for a day makes that many attempts."""
+    return min(most, initial * 2.0 ** min(attempt, 60))

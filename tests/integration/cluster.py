@@ -55,6 +55,15 @@ TRAINING_OPERATOR = "system:serviceaccount:kubeflow:training-operator"
 """The user the admission webhook would have seen create the tests' pods."""
 
 
+def served_here(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rendered manifests as this 1.20 test server takes them: Helm, asking no live server,
+    renders policy/v1 PodDisruptionBudgets, which 1.20 serves only as v1beta1."""
+    for doc in docs:
+        if doc.get("kind") == "PodDisruptionBudget":
+            doc["apiVersion"] = "policy/v1beta1"
+    return docs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

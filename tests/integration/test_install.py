@@ -16,7 +16,7 @@ from kubernetes import client
 
 from tests.chart.test_chart import ALL_ON, render
 
-from .cluster import ROOT, Cluster, OperatorProcess
+from .cluster import ROOT, Cluster, OperatorProcess, served_here
 from .test_containment import NOT_RESUMED, incident_in, make_job, send, verdict
 
 
@@ -27,12 +27,7 @@ def install(cluster: Cluster, values: dict[str, Any], tmp_path: Path) -> tuple[s
     namespace = f"{release}-system"
     cluster.core.create_namespace({"metadata": {"name": namespace}})
     chart_values = {**values, "fullnameOverride": release}
-    docs = render(chart_values, namespace=namespace)
-    for doc in docs:
-        # Helm asks a live server which versions it serves; offline it renders policy/v1,
-        # which this 1.20 test server serves only as v1beta1.
-        if doc["kind"] == "PodDisruptionBudget":
-            doc["apiVersion"] = "policy/v1beta1"
+    docs = served_here(render(chart_values, namespace=namespace))
     manifest = tmp_path / f"{release}.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))
     cluster.kubectl("create", "-f", str(manifest))

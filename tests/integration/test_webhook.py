@@ -29,7 +29,7 @@ from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATI
 from sdc_operator.injection import INJECTION_ANNOTATION
 from tests.chart.test_chart import render
 
-from .cluster import ROOT, Cluster, OperatorProcess, wait_for
+from .cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
 
 TEST_LABEL = "hyperpod-sdc-test"
 POD_URL = "https://hyperpod-sdc.hyperpod-sdc.svc:443"  # what the pods are told
@@ -135,19 +135,13 @@ def policies(cluster: Cluster) -> None:
 
 
 def admit(cluster: Cluster, namespace: str) -> None:
-    """The cluster admin's step: an SDCPolicy admitting ``namespace``, and the label the
-    test's webhook configuration selects."""
-    cluster.custom.create_cluster_custom_object(
-        "hyperpod-sdc.dev",
-        "v1alpha1",
-        "sdcpolicies",
-        {
-            "apiVersion": "hyperpod-sdc.dev/v1alpha1",
-            "kind": "SDCPolicy",
-            "metadata": {"name": f"admit-{namespace}"},
-            "spec": {"namespaces": [namespace]},
-        },
-    )
+    """The cluster admin's step: an SDCPolicy admitting ``namespace`` (the fixtures' own
+    namespaces have one already), and the label the test's webhook configuration selects."""
+    try:
+        cluster.policy(f"admit-{namespace}", {"namespaces": [namespace]})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
     label(cluster, namespace)
 
 
@@ -400,7 +394,11 @@ def test_a_pods_own_values_are_kept(
 def test_not_admitted_namespace_is_not_wired(
     cluster: Cluster, namespace: str, setup: Callable[..., Setup]
 ) -> None:
-    label(cluster, namespace)  # selected by the test's webhook, but no SDCPolicy admits it
+    # selected by the test's webhook, but no SDCPolicy admits it
+    cluster.custom.delete_cluster_custom_object(
+        "hyperpod-sdc.dev", "v1alpha1", "sdcpolicies", f"admit-{namespace}"
+    )
+    label(cluster, namespace)
     s = setup()
     job = make_job(cluster, namespace)
     pod = create_pod(cluster, namespace, "llama-worker-0", job)
@@ -682,7 +680,7 @@ def test_the_cert_manager_variant_is_accepted(cluster: Cluster, tmp_path: Path) 
         {"fullnameOverride": release, "certManager": {"enabled": True}}, namespace=namespace
     )
     manifest = tmp_path / "cert-manager.yaml"
-    manifest.write_text(yaml.safe_dump_all(docs))
+    manifest.write_text(yaml.safe_dump_all(served_here(docs)))
     out = cluster.kubectl("create", "--dry-run=server", "-f", str(manifest))
     for kind in (
         "certificate.cert-manager.io",

@@ -5,13 +5,17 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
     Payload,
-    choose_tiebreakers,
+    Recheck,
+    choose_thirds,
     explain_mismatches,
+    judge,
     plan_ring,
     replay,
     resolve,
@@ -41,49 +45,85 @@ def test_one_persistent_rank_is_in_two_mismatches() -> None:
     # Rank 2 is wrong: its own work (replayed by 3) and its replay of rank 1's work.
     e = explain_mismatches([2, 1], RING4, max_mismatches=4)
     assert (e.persistent, e.ambiguous, e.unexplained, e.storm) == ((2,), (), (), False)
-    f = resolve(e, RING4, {})
-    assert (f.classification, f.suspects, f.localized, f.transient) == ("rank", (2,), True, False)
+    # The recheck of rank 2's work: rank 0 (a third node) agrees with the replay, and
+    # rank 2 reproduces its own wrong result.
+    third = choose_thirds([2], RING4, ["n0", "n1", "n2", "n3"], {1, 2, 3})
+    assert third == {2: 0}
+    recheck = Recheck(
+        owner=2,
+        replayer=3,
+        third=0,
+        third_agrees_original=False,
+        third_agrees_replay=True,
+        rerun_reproduces=True,
+        rereplay_reproduces=True,
+    )
+    assert judge(recheck) == ("owner", 2, False)
+    f = resolve(e, [recheck])
+    assert (f.classification, f.suspects, f.localized, f.transient, f.corroborated) == (
+        "rank",
+        (2,),
+        True,
+        False,
+        True,
+    )
 
 
-def test_a_single_mismatch_needs_a_third_node() -> None:
+def _recheck(**kw: Any) -> Recheck:
+    base: dict[str, Any] = {
+        "owner": 1,
+        "replayer": 2,
+        "third": 0,
+        "third_agrees_original": False,
+        "third_agrees_replay": True,
+        "rerun_reproduces": True,
+        "rereplay_reproduces": True,
+    }
+    return Recheck(**{**base, **kw})
+
+
+def test_a_single_mismatch_is_rechecked_on_a_third_node() -> None:
     e = explain_mismatches([1], RING4, max_mismatches=4)
     assert e.unexplained == (1,)
-    tb = choose_tiebreakers(e.unexplained, RING4, ["n0", "n1", "n2", "n3"], {1, 2})
-    assert tb == {1: 0}
-    # The third rank agrees with the replay: rank 1's own result was wrong, once.
-    f = resolve(e, RING4, {1: "replay"})
-    assert (f.suspects, f.localized, f.transient) == ((1,), True, True)
-    # It agrees with rank 1: the replayer (rank 2) was wrong.
-    assert resolve(e, RING4, {1: "original"}).suspects == (2,)
-    # It agrees with neither: not deterministic, nobody accused.
-    f = resolve(e, RING4, {1: "neither"})
-    assert (f.classification, f.suspects) == ("nondeterministic", ())
+    # The third node agrees with the replay and rank 1's own rerun is right: a glitch.
+    f = resolve(e, [_recheck(rerun_reproduces=False)])
+    assert (f.suspects, f.localized, f.transient, f.corroborated) == ((1,), True, True, True)
+    # It agrees with rank 1's original: the replayer (rank 2) was wrong, and reproduces it.
+    f = resolve(e, [_recheck(third_agrees_original=True, third_agrees_replay=False)])
+    assert (f.suspects, f.transient) == ((2,), False)
+    # It agrees with neither side, or with both: not one GPU; nobody accused.
+    for kw in ({"third_agrees_replay": False}, {"third_agrees_original": True}):
+        f = resolve(e, [_recheck(**kw)])
+        assert (f.classification, f.suspects, f.corroborated) == ("nondeterministic", (), None)
 
 
 def test_no_third_node_means_no_localization() -> None:
     ring = plan_ring(["a", "a", "b", "b"])  # 0 <-> 2, 1 <-> 3
     e = explain_mismatches([1, 3], ring, max_mismatches=4)
     assert e.ambiguous == (1, 3)
-    f = resolve(e, ring, {})
-    assert (f.suspects, f.localized, f.transient) == ((1, 3), False, None)
+    f = resolve(e, [])
+    assert (f.suspects, f.localized, f.transient, f.corroborated) == ((1, 3), False, None, False)
     assert "three nodes" in f.message
     e = explain_mismatches([0], ring, max_mismatches=4)
-    assert choose_tiebreakers(e.unexplained, ring, ["a", "a", "b", "b"], {0, 2}) == {}
-    assert resolve(e, ring, {}).localized is False
+    assert choose_thirds(e.unexplained, ring, ["a", "a", "b", "b"], {0, 2}) == {}
+    no_third = _recheck(owner=0, replayer=2, third=None, third_agrees_original=None)
+    assert resolve(e, [no_third]).localized is False
 
 
-def test_tiebreakers_avoid_involved_ranks_and_both_nodes() -> None:
+def test_thirds_avoid_both_nodes_and_prefer_uninvolved_ranks() -> None:
     nodes = ["n0", "n1", "n2", "n3", "n4"]
     ring = plan_ring(nodes)
-    tb = choose_tiebreakers([1, 3], ring, nodes, involved={1, 2, 3, 4})
-    assert tb == {1: 0}  # rank 0 is taken for the first tie; none left for the second
+    # Owners 1 and 3 (replayed by 2 and 4): never those four; rank 0 is free for both.
+    assert choose_thirds([1, 3], ring, nodes, involved={1, 2, 3, 4}) == {1: 0, 3: 0}
+    # A rank in an explained mismatch is used when nothing else is on a third node.
+    assert choose_thirds([1], plan_ring(nodes[:3]), nodes[:3], involved={0, 1, 2}) == {1: 0}
 
 
 def test_storms_accuse_nobody() -> None:
     ring = plan_ring([f"n{i}" for i in range(8)])
     e = explain_mismatches(list(range(8)), ring, max_mismatches=storm_threshold(8))
     assert e.storm
-    assert resolve(e, ring, {}).classification == "nondeterministic"
+    assert resolve(e, []).classification == "nondeterministic"
     e = explain_mismatches([0, 2, 4, 6, 7], ring, max_mismatches=4)
     assert e.storm
     assert storm_threshold(4) == 4
@@ -111,24 +151,116 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     return ((model(b.x) - b.y) ** 2).mean()
 
 
+def _replayed(
+    model: nn.Module, batch: Any, payload: Payload, fn: Any = None
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    params = list(model.parameters())
+    grads: dict[int, torch.Tensor] = {}
+    loss = replay(
+        model,
+        params,
+        fn or loss_fn,
+        Payload.from_bytes(payload.to_bytes()),
+        torch.device("cpu"),
+        lambda i, g: grads.__setitem__(i, g.clone()),
+    )
+    return loss, grads
+
+
 def test_replay_reproduces_bits_and_leaves_no_trace() -> None:
     torch.manual_seed(0)
     model = TinyNet()
     batch = {"inputs": [Batch(torch.randn(8, 4), torch.randn(8, 4))], "meta": "anything"}
-    payload = Payload.capture(batch, divisor=1)
+    payload = Payload.capture(batch)
     loss = loss_fn(model, batch)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     rng_after, buffers_after = torch.get_rng_state(), [b.clone() for b in model.buffers()]
 
-    shipped = Payload.from_bytes(payload.to_bytes())
-    params = list(model.parameters())
-    result = replay(model, params, loss_fn, shipped, torch.device("cpu"))
+    replayed_loss, replayed = _replayed(model, batch, payload)
 
-    assert torch.equal(result.loss.view(torch.int32), loss.detach().view(torch.int32))
-    for g, r in zip(grads, result.grads, strict=True):
-        assert r is not None
-        assert torch.equal(g, r)
+    assert torch.equal(replayed_loss.view(torch.int32), loss.detach().view(torch.int32))
+    assert sorted(replayed) == list(range(len(grads)))
+    for i, g in enumerate(grads):
+        assert torch.equal(g, replayed[i])
     assert torch.equal(torch.get_rng_state(), rng_after)
     assert all(torch.equal(a, b) for a, b in zip(buffers_after, model.buffers(), strict=True))
+    params = list(model.parameters())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, params, strict=True))  # type: ignore[arg-type]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh())
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_replay_works_under_activation_checkpointing(reentrant: bool) -> None:
+    # torch.autograd.grad refuses reentrant checkpointing; the replay runs backward.
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    x, y = torch.randn(8, 4, requires_grad=False), torch.randn(8, 4)
+
+    def fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    payload = Payload.capture((x, y))
+    loss = fn(model, (x, y))
+    (loss * 0.25).backward()  # the loop scales its loss: the replay must know by how much
+    payload.loss_grad = torch.tensor(0.25)
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    replayed_loss, replayed = _replayed(model, (x, y), payload, fn)
+    assert torch.equal(replayed_loss, loss.detach())
+    assert all(torch.equal(grads[i], replayed[i]) for i in range(len(grads)))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))  # type: ignore[arg-type]
+
+
+def test_replay_frees_each_gradient_as_it_completes() -> None:
+    # At no time do more replayed gradients exist than the one being handed over.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(4, 64)
+    payload = Payload.capture((x,))
+    params = list(model.parameters())
+    alive: list[int] = []
+
+    def sink(i: int, g: torch.Tensor) -> None:
+        alive.append(sum(p.grad is not None for p in params))
+
+    replay(model, params, lambda m, b: m(b[0]).sum(), payload, torch.device("cpu"), sink)
+    assert len(alive) == len(params)
+    assert max(alive) == 0  # the sink sees the gradient after it left .grad
+    assert all(p.grad is None for p in params)
+
+
+def test_a_collective_in_the_replayed_forward_raises_instead_of_hanging() -> None:
+    class Gathering(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.distributed.all_reduce(x)  # an MoE all-to-all would do the same
+            return self.lin(x)
+
+    model = Gathering()
+    payload = Payload.capture((torch.randn(2, 4),))
+    with pytest.raises(SDCError, match="all_reduce, a collective"):
+        replay(
+            model,
+            list(model.parameters()),
+            lambda m, b: m(b[0]).sum(),
+            payload,
+            torch.device("cpu"),
+            lambda i, g: None,
+        )
+    assert torch.distributed.all_reduce.__name__ == "all_reduce"  # put back

@@ -431,3 +431,11 @@ def test_a_verdict_that_cannot_be_encoded_counts_as_undelivered(
     assert reporter.close(10)
     time.sleep(0.05)
     assert reporter.verdict_overdue(0.01)
+
+
+def test_the_back_off_never_overflows() -> None:
+    from sdc_agent.reporter import _backoff
+
+    assert _backoff(0, 0.5, 30.0) == 0.5
+    assert _backoff(3, 0.5, 30.0) == 4.0
+    assert _backoff(10_000, 0.5, 30.0) == 30.0  # 0.5 * 2**10000 would raise OverflowError
