@@ -90,7 +90,7 @@ def measure(
 
     for _ in range(3):  # warm-up: allocations, Adam state
         step()
-    payload = Payload.capture(batch, 1, copy=True)
+    payload = Payload.capture(batch, copy=True)
     result, names = recompute(model, loss_fn, payload, device)
     reference = reference_of(result, names)
     writer = BundleWriter()

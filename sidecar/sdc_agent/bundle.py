@@ -3,9 +3,9 @@ checkpoints for the confirmation run (:mod:`sdc_agent.confirm`) and the person r
 
 When the replay audit localizes a suspect, the healthy rank that replayed the suspect's
 micro-batch holds everything needed to compute it again: the micro-batch, its RNG and
-autocast state, the weights it ran with and the result a healthy GPU computed (the
-*reference*). A bundle keeps that, so the same micro-batch can be recomputed later on
-every GPU of the suspect node and compared with the reference bits.
+autocast state, the gradient that reached its loss, the weights it ran with and the result
+a healthy GPU computed (the *reference*). A bundle keeps that, so the same micro-batch can
+be recomputed later on every GPU of the suspect node and compared with the reference bits.
 
 A bundle is a directory ``<dir>/sdc-evidence/<run>-<step>-r<rank>/`` (``rank`` is the
 suspect's global rank) holding:
@@ -87,9 +87,9 @@ from torch import nn
 
 from ._validate import require_int
 from .errors import BundleError, ConfigError
-from .fingerprint import Fingerprinter, format_fingerprint
+from .fingerprint import Fingerprinter, combine_fingerprints, format_fingerprint
 from .protocol import Suspect
-from .replay import Payload, ReplayResult, combine_per_parameter, loss_bits, replay
+from .replay import Payload, loss_bits, replay_complete
 
 __all__ = [
     "BUNDLE_DIR_ENV",
@@ -104,6 +104,7 @@ __all__ = [
     "REFERENCE_VERSION",
     "Bundle",
     "BundleSettings",
+    "Recomputed",
     "BundleWriter",
     "EvidenceSnapshot",
     "Tolerance",
@@ -124,10 +125,11 @@ BUNDLE_VERSION = 1
 REFERENCE_VERSION = 1
 """The ``reference`` dict's version. It is an open dict: the audit may add fields (its
 tolerant statistics), bumping this when old readers would misread it."""
-GRADIENTS_OF = "loss / divisor"
-"""What the reference gradients are the gradients of (recorded in the reference, so a
-later convention, such as GradScaler's scaled loss, is never silently compared with this
-one)."""
+GRADIENTS_OF = "backward(loss, loss_grad)"
+"""What the reference gradients are: the local gradients of ``backward`` from the loss with
+the gradient that reached the loss in the original backward (``Payload.loss_grad``: 1/n
+under accumulation, times the loss scale with a GradScaler), as the replay audit computes
+them. Recorded in the reference, so another convention is never silently compared."""
 MANIFEST = "bundle.json"
 EVIDENCE_DIR = "sdc-evidence"
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -256,29 +258,45 @@ def bundle_path(directory: str | os.PathLike[str], run_id: str, step: int, rank:
 # -- the reference result -------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Recomputed:
+    """One recomputation of a micro-batch: its loss and local gradients, in parameter order
+    (``None``: the parameter got no gradient)."""
+
+    loss: torch.Tensor
+    grads: list[torch.Tensor | None]
+
+
+def _combined(per: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """One fingerprint of per-parameter fingerprints, in parameter order; no gradient
+    counts as the fingerprint of zeros."""
+    zero = torch.zeros(2, dtype=torch.int64, device=device)
+    rows = [zero if f is None else f.to(device) for f in per]
+    return combine_fingerprints(torch.stack(rows)) if rows else zero
+
+
 def reference_of(
-    result: ReplayResult,
+    result: Recomputed,
     names: Sequence[str],
     fingerprinter: Fingerprinter | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The reference (or any candidate) result of a recomputation, as the manifest keeps
-    it: loss bits, the combined gradient fingerprint (as the audit compares it), one
-    fingerprint and one float64 L2 norm per parameter (``names``, in the order of
-    ``result.grads``), and whatever ``extra`` fields the caller adds."""
+    it: loss bits, a combined gradient fingerprint, one fingerprint and one float64 L2 norm
+    per parameter (``names``, in the order of ``result.grads``), and whatever ``extra``
+    fields the caller adds (the audit's statistics)."""
     if len(names) != len(result.grads):
         raise ValueError(f"{len(names)} names for {len(result.grads)} gradients")
     fp = fingerprinter or Fingerprinter("eager")
     device = result.loss.device
     per = [None if g is None else fp(g) for g in result.grads]
-    combined = combine_per_parameter(per, device)
     out: dict[str, Any] = {
         "version": REFERENCE_VERSION,
         "gradients_of": GRADIENTS_OF,
         "loss_bits": int(loss_bits(result.loss).item()),
         "loss": float(result.loss.detach().double().item()),
         "loss_dtype": str(result.loss.dtype),
-        "gradient_fingerprint": format_fingerprint(combined),
+        "gradient_fingerprint": format_fingerprint(_combined(per, device)),
         "per_parameter": {
             n: None if f is None else format_fingerprint(f) for n, f in zip(names, per, strict=True)
         },
@@ -293,13 +311,25 @@ def reference_of(
 
 def recompute(
     module: nn.Module, loss_fn: LossFn, payload: Payload, device: torch.device
-) -> tuple[ReplayResult, list[str]]:
+) -> tuple[Recomputed, list[str]]:
     """Recompute ``payload`` on ``module`` exactly as the replay audit does
-    (:func:`sdc_agent.replay.replay`); returns the result and the names of the parameters
-    its gradients belong to."""
+    (:func:`sdc_agent.replay.replay_complete`: ``backward`` with the payload's
+    ``loss_grad``, RNG and buffers put back, the real gradients untouched); returns the
+    result and the names of the parameters its gradients belong to."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    result = replay(module, [p for _, p in named], loss_fn, payload, device)
-    return result, [n for n, _ in named]
+    grads: list[torch.Tensor | None] = [None] * len(named)
+
+    def sink_factory() -> Callable[[int, torch.Tensor], None]:
+        grads[:] = [None] * len(named)  # a second try starts afresh
+
+        def sink(i: int, grad: torch.Tensor) -> None:
+            grads[i] = grad
+
+        return sink
+
+    params = [p for _, p in named]
+    loss = replay_complete(module, params, loss_fn, payload, device, sink_factory, set())
+    return Recomputed(loss, list(grads)), [n for n, _ in named]
 
 
 # -- the snapshot (training thread) ---------------------------------------------------------
@@ -510,7 +540,11 @@ def take_snapshot(
     buffers = dict(module.named_buffers())
     weights = {**params, **buffers}
     batch_tensors = _tensors_in(payload.batch)
-    rng: dict[str, torch.Tensor | None] = {"cpu": payload.rng_cpu, "cuda": payload.rng_cuda}
+    rng: dict[str, torch.Tensor | None] = {
+        "cpu": payload.rng_cpu,
+        "cuda": payload.rng_cuda,
+        "loss_grad": payload.loss_grad,
+    }
     budget = settings.bundle_max_bytes
     estimated = {
         "rng.pt": _nbytes([t for t in rng.values() if t is not None]),
@@ -579,7 +613,11 @@ def take_snapshot(
         "suspect": _suspect_json(suspect),
         "recorded_by": dict(recorded_by or {}),
         "micro_batch": {
-            "divisor": payload.divisor,
+            # The gradient that reached the loss (1/n under accumulation, times the loss
+            # scale): the tensor is in rng.pt, its value here for the reader.
+            "loss_grad": None
+            if payload.loss_grad is None
+            else float(payload.loss_grad.detach().double().item()),
             "loss_scale": loss_scale,
             "autocast": {
                 dev: {"enabled": enabled, "dtype": str(dtype)}
@@ -932,9 +970,13 @@ def _validate(manifest: Any) -> None:
         if suspect.get(key) is not None and not isinstance(suspect[key], str):
             raise BundleError(f"suspect.{key}", f"must be a string or null, got {suspect[key]!r}")
     micro = _need(manifest, "micro_batch", dict, "")
-    divisor = _need(micro, "divisor", int, "micro_batch.")
-    if divisor < 1:
-        raise BundleError("micro_batch.divisor", f"must be >= 1, got {divisor}")
+    loss_grad = micro.get("loss_grad")
+    if loss_grad is not None and (
+        not isinstance(loss_grad, int | float) or isinstance(loss_grad, bool) or loss_grad <= 0
+    ):
+        raise BundleError(
+            "micro_batch.loss_grad", f"must be a number > 0 or null, got {loss_grad!r}"
+        )
     for dev, state in _need(micro, "autocast", dict, "micro_batch.").items():
         where = f"micro_batch.autocast.{dev}."
         if not isinstance(state, dict):
@@ -1189,7 +1231,14 @@ class Bundle:
         }
         batch = _map_tensors(self.load("batch.pt"), lambda t: t.clone())
         cuda = None if rng["cuda"] is None else rng["cuda"].clone()
-        return Payload(batch, int(micro["divisor"]), rng["cpu"].clone(), cuda, autocast)
+        loss_grad = rng.get("loss_grad")
+        return Payload(
+            batch,
+            rng["cpu"].clone(),
+            cuda,
+            autocast,
+            None if loss_grad is None else loss_grad.clone(),
+        )
 
     def rebuild(
         self, device: torch.device, *, factory: str | None = None

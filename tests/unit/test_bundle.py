@@ -84,9 +84,13 @@ def make_batch(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def healthy(model: nn.Module, batch: Any, divisor: int = 1) -> tuple[Payload, dict[str, Any]]:
+def healthy(
+    model: nn.Module, batch: Any, loss_grad: float | None = None
+) -> tuple[Payload, dict[str, Any]]:
     """What the healthy replayer has: the payload it received and its result."""
-    payload = Payload.capture(batch, divisor, copy=True)
+    payload = Payload.capture(batch, copy=True)
+    if loss_grad is not None:  # the gradient that reached the loss (1/n, a loss scale)
+        payload.loss_grad = torch.tensor(loss_grad)
     result, names = recompute(model, loss_fn, payload, CPU)
     return payload, reference_of(result, names)
 
@@ -127,7 +131,7 @@ def written(tmp_path: Path, snap: EvidenceSnapshot) -> Bundle:
 def test_a_bundle_recomputes_the_micro_batch_bit_for_bit(tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = Net()
-    payload, reference = healthy(model, make_batch(), divisor=4)
+    payload, reference = healthy(model, make_batch(), loss_grad=0.25)
     writer = BundleWriter()
     path = writer.submit(snapshot(model, payload, reference), tmp_path / "ckpt")
     assert writer.close(timeout=60)
@@ -151,7 +155,7 @@ def test_a_bundle_recomputes_the_micro_batch_bit_for_bit(tmp_path: Path) -> None
         "pod": "train-worker-0",
         "gpu_uuid": None,
     }
-    assert m["micro_batch"]["divisor"] == 4
+    assert m["micro_batch"]["loss_grad"] == 0.25
     assert m["model"]["loss_fn"] == f"{__name__}:loss_fn"
     assert m["model"]["how"] == "pickle"
     assert "frozen" in m["model"]["eval_modules"]
@@ -173,7 +177,7 @@ def test_dropout_and_batch_norm_make_the_rng_and_buffers_matter(tmp_path: Path) 
     rebuilt: Any
     rebuilt, fn = bundle.rebuild(CPU)
     other_rng = Payload(
-        bundle.payload().batch, 1, torch.manual_seed(99).get_state(), None, payload.autocast
+        bundle.payload().batch, torch.manual_seed(99).get_state(), None, payload.autocast
     )
     result, names = recompute(rebuilt, fn, other_rng, CPU)
     assert reference_of(result, names)["loss_bits"] != reference["loss_bits"]
@@ -243,7 +247,7 @@ def test_an_existing_bundle_is_never_overwritten_and_a_failed_write_leaves_nothi
     assert (first.path / MANIFEST).read_bytes() == before
     # A batch that cannot be saved: the write fails, and no directory, temporary or
     # final, is left behind.
-    bad = Payload({"x": torch.ones(2), "f": threading.Lock()}, 1, payload.rng_cpu, None, {})
+    bad = Payload({"x": torch.ones(2), "f": threading.Lock()}, payload.rng_cpu, None, {})
     target = bundle_path(tmp_path / "bad", "run-a1", 30, 3)
     result = write_bundle(snapshot(model, bad, reference), target)
     assert not result.written and result.error
@@ -374,7 +378,7 @@ def damage(bundle: Bundle, how: str) -> None:
             "step": ("step", 0),
             "loss bits": ("reference", {"version": 1, "gradient_fingerprint": "x"}),
             "suspect": ("suspect", {"rank": "3", "node": "n", "local_rank": 0}),
-            "divisor": ("micro_batch", {"divisor": 0, "autocast": {}}),
+            "loss grad": ("micro_batch", {"loss_grad": "x", "autocast": {}}),
             "unknown file": ("files", {**manifest["files"], "evil.pt": {"bytes": 1, "sha256": ""}}),
         }[how]
         manifest[field] = value
@@ -395,7 +399,7 @@ def damage(bundle: Bundle, how: str) -> None:
         ("step", "step", ">= 1"),
         ("loss bits", "reference.loss_bits", "missing"),
         ("suspect", "suspect.rank", "must be int"),
-        ("divisor", "micro_batch.divisor", ">= 1"),
+        ("loss grad", "micro_batch.loss_grad", "number > 0"),
         ("unknown file", "files.evil.pt", "not a bundle file"),
     ],
 )
@@ -458,10 +462,10 @@ def test_settings_from_env_and_their_errors() -> None:
 def test_reference_is_an_open_versioned_dict() -> None:
     torch.manual_seed(11)
     model = Net()
-    payload = Payload.capture(make_batch(), 1, copy=True)
+    payload = Payload.capture(make_batch(), copy=True)
     result, names = recompute(model, loss_fn, payload, CPU)
     ref = reference_of(result, names, stats={"kind": "audit-v2"})
-    assert ref["version"] == 1 and ref["gradients_of"] == "loss / divisor"
+    assert ref["version"] == 1 and ref["gradients_of"] == "backward(loss, loss_grad)"
     assert ref["stats"] == {"kind": "audit-v2"}
     assert set(ref["per_parameter"]) == set(names) == set(ref["gradient_norms"])
     assert "mid2.weight" not in names, "a tied weight is one parameter"

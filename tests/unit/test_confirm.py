@@ -262,10 +262,8 @@ def inplace_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def test_a_loss_that_changes_its_input_in_place_recomputes_alike(tmp_path: Path) -> None:
     torch.manual_seed(23)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    payload = Payload.capture(torch.randn(4, 8), 1, copy=True)
-    result, names = recompute(
-        model, inplace_loss, Payload.capture(payload.batch, 1, copy=True), CPU
-    )
+    payload = Payload.capture(torch.randn(4, 8), copy=True)
+    result, names = recompute(model, inplace_loss, Payload.capture(payload.batch, copy=True), CPU)
     bundle = written(
         tmp_path,
         snapshot(model, payload, reference_of(result, names), loss_fn=inplace_loss),
@@ -287,7 +285,7 @@ def test_the_jobs_cpu_thread_count_is_used(tmp_path: Path) -> None:
         torch.set_num_threads(1)
         torch.manual_seed(22)
         model = torch.nn.Sequential(torch.nn.Linear(16, 1024))
-        payload = Payload.capture(torch.randn(4096, 16), 1, copy=True)
+        payload = Payload.capture(torch.randn(4096, 16), copy=True)
         result, names = recompute(model, wide_loss, payload, CPU)
         reference = reference_of(result, names)
         bundle = written(tmp_path, snapshot(model, payload, reference, loss_fn=wide_loss))
@@ -324,7 +322,7 @@ def test_the_demos_model_and_fault(tmp_path: Path) -> None:
     net = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
     )  # as train.py builds it
-    payload = Payload.capture(train.batch_for(30, 3, CPU), 1, copy=True)
+    payload = Payload.capture(train.batch_for(30, 3, CPU), copy=True)
     result, names = recompute(net, train.loss_fn, payload, CPU)
     reference = reference_of(result, names)
     code = {"script": str(script), "main_module": None, "sys_path": [str(script.parent)]}

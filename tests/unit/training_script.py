@@ -69,7 +69,7 @@ def main() -> None:
     model = (Opaque() if mode == "factory" else Net()).to(device)
     g = torch.Generator().manual_seed(STEP)
     batch = (torch.randn(16, 8, generator=g).to(device), torch.randn(16, 4, generator=g).to(device))
-    payload = Payload.capture(batch, 1, copy=True)
+    payload = Payload.capture(batch, copy=True)
 
     broken = FaultInjector(parse_faults(FAULT), rank=SUSPECT.rank)
     broken.step = STEP
