@@ -15,5 +15,8 @@ echo "== mypy"
 # 2 cores) and cached under ~/.cache/hyperpod-sdc.
 echo "== kube-apiserver"
 scripts/kube-apiserver.sh build
+# The chart's alert rules are checked with promtool, from Debian's prometheus package (cached).
+echo "== promtool"
+scripts/promtool.sh >/dev/null || echo "promtool unavailable: tests/chart/test_dashboard.py says why"
 echo "== pytest"
 .venv/bin/python -m pytest "$@"

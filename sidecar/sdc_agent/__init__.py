@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "BundleError",
     "CheckpointNotFoundError",
     "ConfigError",
     "FaultSpec",
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "BundleError": "errors",
     "CheckpointNotFoundError": "errors",
     "ConfigError": "errors",
     "OperatorUnreachableError": "errors",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from .config import GuardConfig
     from .determinism import enable_determinism
     from .errors import (
+        BundleError,
         CheckpointNotFoundError,
         ConfigError,
         OperatorUnreachableError,

@@ -76,6 +76,10 @@ KNOWN_ENV: frozenset[str] = frozenset(
         "HYPERPOD_SDC_OPERATOR_URL",
         "HYPERPOD_SDC_TOKEN_FILE",
         "HYPERPOD_SDC_CA_BUNDLE",
+        # Evidence bundles (sdc_agent.bundle.BundleSettings)
+        "HYPERPOD_SDC_BUNDLE_DIR",
+        "HYPERPOD_SDC_BUNDLE_FACTORY",
+        "HYPERPOD_SDC_BUNDLE_MAX_BYTES",
     }
 )
 

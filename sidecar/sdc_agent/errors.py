@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "BundleError",
     "CheckpointNotFoundError",
     "ConfigError",
     "OperatorUnreachableError",
@@ -39,3 +40,13 @@ class OperatorUnreachableError(SDCError):
 
 class CheckpointNotFoundError(SDCError):
     """No usable checkpoint at or before the requested step."""
+
+
+class BundleError(SDCError, ValueError):
+    """An evidence bundle is missing, incomplete or damaged. ``field`` names what is wrong
+    (``bundle.json``, ``files.weights.pt.sha256``, ``reference.loss_bits`` ...)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
