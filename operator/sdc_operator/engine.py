@@ -30,7 +30,7 @@ from typing import Any
 from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 
 from . import incidents, jobs
-from .actions import Actions, Outcome
+from .actions import UNKNOWN, Actions, Outcome
 from .caches import Caches
 from .errors import ApiError
 from .incidents import (
@@ -551,6 +551,10 @@ class IncidentEngine:
             if recorded is None or already:
                 return recorded
             outcome = await self.actions.take(recorded, action, rules)
+        if outcome.result == UNKNOWN:
+            log.warning("incident %s/%s: %s; verifying before anything else", *key, outcome.message)
+            self._later(key, min(5.0, self.settings.resync_seconds))
+            return None
         written = await self._write(key, lambda s: outcome.apply(s, action), self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
         return written
