@@ -321,6 +321,8 @@ class IncidentEngine:
         the window is contained as a persistent fault after all."""
         if (incident.get("status") or {}).get("phase") not in HELD_PHASES:
             return incident
+        if not incidents.repeats_are_evidence(incident):
+            return incident
         uid = incident["spec"]["job"]["uid"]
         repeats = incidents.repeat_candidates(
             incident, self.caches.incidents_of(uid), self.settings.repeat_window_steps
