@@ -230,7 +230,7 @@ class ReplayAudit:
     def forward_starts(self) -> None:
         """From the model's forward pre-hook: the RNG state the micro-batch starts from."""
         if self._rng is None:
-            self._rng = RngState.capture()
+            self._rng = RngState.capture(self.device)
 
     def micro_batch(self, batch: Any, loss: torch.Tensor, *, syncs: bool, copy: bool) -> None:
         """A micro-batch's forward is done and its ``loss`` is about to be backpropagated.
@@ -245,7 +245,7 @@ class ReplayAudit:
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise SDCError("loss: must be a scalar tensor (the micro-batch's loss)")
-        rng = self._rng if self._rng is not None else RngState.capture()
+        rng = self._rng if self._rng is not None else RngState.capture(self.device)
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
         self.payload = Payload(batch, rng.cpu, rng.cuda, rng.autocast)

@@ -37,7 +37,7 @@ from .protocol import (
     VerdictReport,
     encode_report,
 )
-from .replay import map_tensors
+from .replay import RngState, map_tensors
 from .reporter import Reporter, ReporterConfig
 from .topology import Topology, exchange_identities, local_node_name
 from .verdict import StepResult, Verdict
@@ -922,8 +922,7 @@ class Guard:
         """One forward and backward that is not a step, so DDP rebuilds its buckets before
         the first real step after :meth:`restore`: gradients, RNG and buffers (BatchNorm
         statistics) are put back, no check runs, no step is counted."""
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        rng = RngState.capture(self.device)  # the model's generator, not cuda:0's
         buffers = [b.detach().clone() for b in self.model.buffers()]
         self._settling = True
         try:
@@ -933,9 +932,7 @@ class Guard:
         finally:
             self._settling = False
             self.optimizer.zero_grad(set_to_none=True)
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda)
+            rng.restore(self.device)
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), buffers, strict=True):
                     b.copy_(saved)
