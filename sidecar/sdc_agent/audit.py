@@ -185,6 +185,8 @@ class ReplayAudit:
         self._micro = 0
         self._observe_later = False
         self._in_hook = False
+        self._syncing_recorded = 0  # micro-batches recorded whose backward all-reduces
+        self._passes = 0  # backward passes the comm hook saw this step
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
 
@@ -215,6 +217,8 @@ class ReplayAudit:
         self._micro = 0
         self._observe_later = False
         self._in_hook = False
+        self._syncing_recorded = 0
+        self._passes = 0
         self._own = _Collector(self.fingerprinter)
 
     def set_loss_fn(self, loss_fn: LossFn) -> None:
@@ -239,8 +243,11 @@ class ReplayAudit:
         (no ``no_sync``), so the communication hook sees its local gradients.
         """
         self._micro += 1
-        if self._micro == 2 and self._observe_later:
-            self.observe_grads()  # the first micro-batch's backward is done
+        self._syncing_recorded += syncs
+        if self._micro == 2:
+            self._in_hook = False  # the hook now carries later micro-batches' gradients
+            if self._observe_later:
+                self.observe_grads()  # the first micro-batch's backward is done
         if self._micro > 1:
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -267,7 +274,22 @@ class ReplayAudit:
         return self._in_hook
 
     def observe_bucket(self, bucket: dist.GradBucket) -> None:
-        """From the comm hook, before the all-reduce: remember each local gradient."""
+        """From the comm hook, before the all-reduce: remember each local gradient.
+
+        Raises :class:`SDCError` when this backward belongs to a micro-batch the loop
+        never showed (``before_backward`` called for the first micro-batch only): the
+        audit would read accumulated gradients as the first micro-batch's own and find
+        every comparison different."""
+        if bucket.index() == 0 and self._micro and self._passes >= self._syncing_recorded:
+            raise SDCError(
+                "before_backward: a backward pass began for a micro-batch that was not "
+                f"shown to the Guard ({self._micro} micro-batch(es) shown this step, "
+                f"{self._passes} backward pass(es) all-reduced already): with gradient "
+                "accumulation call guard.before_backward(batch, loss) for every "
+                "micro-batch, after its forward and before its backward"
+            )
+        if bucket.is_last():
+            self._passes += 1
         # Where bucket 0's gradients sit, for replaying local-gradient faults (drills only;
         # recorded every step because DDP may rebuild its buckets after the first).
         if bucket.index() == 0 and self.injector:
