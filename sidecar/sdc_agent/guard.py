@@ -150,7 +150,7 @@ class Guard:
         self._replay_unavailable = False
         self._nondeterminism_reported = False
         self._reported_weight_suspects: tuple[int, ...] = ()
-        self._tolerance_logged: float | None = None
+        self._tolerance_logged: str | None = None
         # The newest step each verifying check vouched for; last_clean_step is the oldest.
         self._verified = {"weights": start_step, "replay": start_step}
 
@@ -307,10 +307,11 @@ class Guard:
 
     @property
     def gradient_tolerance(self) -> float | None:
-        """The replay audit's detection threshold in force: relative differences (of the
-        loss, or of a gradient tensor's statistics) up to it are taken for the job's
-        run-to-run noise. 0: the job has been bit-reproducible, any difference is
-        evidence. ``None``: no audit yet."""
+        """The replay audit's detection threshold in force for the gradients: relative
+        differences of a gradient tensor's statistics up to it are taken for the job's
+        run-to-run noise. 0: bit-reproducible so far, any difference is evidence.
+        ``None``: no audit yet. The loss has its own threshold, raised only by loss
+        differences (0 unless the forward itself varies); the agent log gives both."""
         noise = self._audit.noise
         return None if noise.bit_reproducible is None else noise.largest
 
@@ -543,14 +544,16 @@ class Guard:
         )
 
     def _log_tolerance(self) -> None:
-        now = self.gradient_tolerance
-        if now is None or now == self._tolerance_logged:
+        if self.gradient_tolerance is None:
+            return
+        now = self._audit.noise.describe()  # the loss's threshold and the gradients'
+        if now == self._tolerance_logged:
             return
         self._tolerance_logged = now
         log.log(
             logging.INFO if self.group_rank == 0 else logging.DEBUG,
             "sdc_agent: replay audit threshold: %s",
-            self._audit.noise.describe(),
+            now,
         )
 
     def after_optimizer_step(self, *, loss: torch.Tensor | float | None = None) -> StepResult:
