@@ -578,6 +578,16 @@ class ReplayAudit:
         )
         return [p for p in mismatched if p not in small], note
 
+    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int]) -> bool:
+        """Two computations in the recheck agree: within the tolerance in force for
+        ``ranks``, or within the cap in evidence already known to carry noise (the rule
+        of the first round, :meth:`_known_noise`: one sample of noise sets the first
+        tolerance, and the next may reach further)."""
+        c = compare(a, b)
+        if not c.differs(self._tolerance(*ranks)):
+            return True
+        return self.noise.within_cap(c) and not self.noise.new_evidence(c, ranks)
+
     def _mismatch_evidence(self, p: int, c: Comparison) -> dict[str, Any]:
         return {
             "work_of": self.topology.global_rank(p),
@@ -651,19 +661,15 @@ class ReplayAudit:
                 again = self._recompute(self.payload)
                 # At the tolerance of the comparison that flagged q's work: the noise
                 # learned for q's pair (or the job) moves q's own rerun as much.
-                row[k, 0] = float(
-                    not compare(self.own_summary(), again).differs(self._tolerance(q, ring[q]))
-                )
+                row[k, 0] = float(self._agree(self.own_summary(), again, (q, ring[q])))
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
-                row[k, 1] = float(not compare(replayed, again).differs(self._tolerance(q, ring[q])))
+                row[k, 1] = float(self._agree(replayed, again, (q, ring[q])))
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[k, 2] = float(not compare(original, mine).differs(self._tolerance(me, q)))
-                row[k, 3] = float(
-                    not compare(replays[q], mine).differs(self._tolerance(me, ring[q]))
-                )
+                row[k, 2] = float(self._agree(original, mine, (me, q)))
+                row[k, 3] = float(self._agree(replays[q], mine, (me, ring[q])))
         table = [torch.tensor(t).reshape(len(owners), 4).tolist() for t in self._gather(row)]
         out = []
         for k, q in enumerate(owners):

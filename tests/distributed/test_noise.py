@@ -48,12 +48,15 @@ SCENARIOS: dict[str, Drill] = {
     "dense_noise_clean": Drill(
         steps=200, grad_noise=True, grad_noise_everywhere=True, config=EVERY
     ),
+    # One ulp in every output of the model from step 31. The loss shows it only where
+    # the ulps do not round away in the mean (measured: caught at steps 33, 33, 45, 57
+    # in four runs), and its trace in the gradients is below the noise: 30 audits.
     "dense_noise_one_ulp_forward": Drill(
-        steps=36,
+        steps=120,
         grad_noise=True,
         grad_noise_everywhere=True,
         config=EVERY,
-        faults=(fault(31, "forward", target="3", index=None, relative_error=1e-12),),
+        faults=(fault(31, "forward", target="5", index=None, relative_error=1e-12),),
     ),
     # Faults present from step 1, under noise: the first audit must not take them for
     # noise (2.5e-5 is far above float32's cap), and the suspect's rerun must be compared
@@ -155,7 +158,7 @@ def test_a_one_ulp_forward_fault_shows_through_dense_gradient_noise(
 ) -> None:
     r = agreed(results["dense_noise_one_ulp_forward"])
     (first, *_) = accusations(r)
-    assert (first["step"], first["suspect_ranks"], first["localized"]) == (33, [SUSPECT], True)
+    assert first["step"] >= 33 and first["suspect_ranks"] == [SUSPECT] and first["localized"]
     assert first["transient"] is False
     (mismatch, *_) = first["evidence"]["mismatches"]
     assert mismatch["loss_tolerance"] == 0.0 and mismatch["loss_equal"] is False
@@ -165,7 +168,8 @@ def test_a_one_ulp_forward_fault_shows_through_dense_gradient_noise(
     assert first["corroborated"] is False
     assert "kernel" in first["message"]
     assert len(accusations(r)) == 1
-    assert r.applied[32] is False and all(r.applied[:32])
+    assert r.applied[first["step"] - 1] is False
+    assert r.applied.count(False) == 1
 
 
 @pytest.mark.parametrize(
