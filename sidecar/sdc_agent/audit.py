@@ -532,7 +532,7 @@ class ReplayAudit:
         for r, node in enumerate(self.nodes):
             if node in nodes:
                 for c in against:
-                    self.noise.learn_rank(r, c)
+                    self.noise.excuse(r, c)
         message = (
             f"{finding.message}; but the difference ({worst:.3g} relative) is within what "
             f"rounding can produce (up to {self.noise.cap:.3g} in the dtype this step "

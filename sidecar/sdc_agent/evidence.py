@@ -252,6 +252,16 @@ class NoiseModel:
             self.loss_per_rank[rank] = max(old, self._headroom(c.loss_rel))
         return True
 
+    def excuse(self, rank: int, c: Comparison) -> None:
+        """From now on, differences up to the cap in the parts where ``c`` differs are
+        noise for ``rank``: a rounding-level difference the recheck could not separate
+        from a kernel choice, reported once and never again (which a repeat rule would
+        turn into a quarantine)."""
+        if not c.grads_equal:
+            self.per_rank[rank] = self.cap
+        if not c.loss_equal:
+            self.loss_per_rank[rank] = self.cap
+
     def learn_job(self, comparisons: Iterable[Comparison]) -> bool:
         """Take the differences of ``comparisons`` for noise of the whole job; false if
         any is above the cap (nothing is learned then)."""

@@ -167,9 +167,17 @@ def test_a_one_ulp_forward_fault_shows_through_dense_gradient_noise(
     # corroborated (a confirmation decides), reported once, never by repetition.
     assert first["corroborated"] is False
     assert "kernel" in first["message"]
-    assert len(accusations(r)) == 1
+    # Never again on rounding-level evidence (a repeat would quarantine); the same fault
+    # may later show above the cap (its trace in the gradients plus the noise), which is
+    # evidence, corroborated.
+    for later in accusations(r)[1:]:
+        assert later["suspect_ranks"] == [SUSPECT] and later["corroborated"] is True
+        assert any(
+            m["gradient_relative_difference"] > 1e-6 or m["loss_relative_difference"] > 1e-6
+            for m in later["evidence"]["mismatches"]
+        )
     assert r.applied[first["step"] - 1] is False
-    assert r.applied.count(False) == 1
+    assert r.applied.count(False) == len(accusations(r))
 
 
 @pytest.mark.parametrize(

@@ -150,3 +150,12 @@ def test_known_noise_widens_where_it_was_learned_and_new_evidence_is_told_apart(
     assert job.new_evidence(Comparison(False, False, 7e-8, 5e-8), [0, 1]), "the loss is new"
     job.widen([0, 1], grads_off(5e-8))
     assert job.job == HEADROOM * 5e-8 and job.per_rank == {}
+
+
+def test_an_excused_rank_takes_differences_up_to_the_cap_in_the_parts_that_differed() -> None:
+    model = NoiseModel(cap=noise_cap(torch.float32))
+    model.excuse(1, loss_off(8e-8))
+    assert model.tolerance([1]).loss == noise_cap(torch.float32)
+    assert model.tolerance([1]).gradients == 0, "the gradients were not part of it"
+    assert not loss_off(9e-7).differs(model.tolerance([1, 2]))
+    assert loss_off(2e-6).differs(model.tolerance([1, 2])), "above the cap: still evidence"
