@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bundle import BundleSettings, BundleWriter, EvidenceSnapshot, bundle_path
+from .bundle import GRADIENTS_OF, REFERENCE_VERSION, BundleSettings, BundleWriter, EvidenceSnapshot
 from .evidence import Summary
 from .fingerprint import combine_fingerprints, format_fingerprint
 from .replay import Payload, Recheck, ReplayFinding, judge
@@ -121,8 +121,8 @@ def reference_from_summary(summary: Summary, names: Sequence[str], **extra: Any)
         for fp, st in zip(summary.fingerprints, summary.stats, strict=True)
     ]
     out: dict[str, Any] = {
-        "version": 1,
-        "gradients_of": "backward(loss, loss_grad)",
+        "version": REFERENCE_VERSION,
+        "gradients_of": GRADIENTS_OF,
         "loss_bits": summary.loss_bits,
         "loss": summary.loss,
         "gradient_fingerprint": format_fingerprint(combined.to(torch.int64)),
@@ -253,7 +253,3 @@ class EvidenceKeeper:
         """Finish a bundle still being written (up to ``timeout`` seconds)."""
         if self._writer is not None:
             self._writer.close(timeout)
-
-
-def default_path_of(run_id: str, step: int, suspect_rank: int) -> Callable[[str], Path]:
-    return lambda directory: bundle_path(directory, run_id, step, suspect_rank)
