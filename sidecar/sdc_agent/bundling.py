@@ -176,8 +176,11 @@ class EvidenceKeeper:
 
     @property
     def directory(self) -> str | None:
-        """Where this rank would put bundles: ``bundle_dir``, else the checkpoints' dir."""
-        return self.settings.bundle_dir or self.checkpoint_dir
+        """Where this rank would put bundles: ``bundle_dir``, else the checkpoints' dir
+        (absolute: the verdict names the path for another process on another node)."""
+        if self.settings.bundle_dir:
+            return os.path.abspath(self.settings.bundle_dir)
+        return self.checkpoint_dir
 
     def note_checkpoint(self, path: str | os.PathLike[str]) -> None:
         self.checkpoint_dir = str(Path(path).resolve().parent)
