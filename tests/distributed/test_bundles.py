@@ -19,7 +19,9 @@ import pytest
 
 from sdc_agent.bundle import EVIDENCE_DIR, read_bundle
 from sdc_agent.confirm import EXIT_CODES
-from sdc_agent.launch import spawn_local
+from sdc_agent.launch import free_port, spawn_local
+from sdc_agent.protocol import VerdictReport
+from tests.unit.test_reporter import Operator
 
 pytestmark = pytest.mark.distributed
 
@@ -82,7 +84,8 @@ def _worker(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict
             fingerprint_backend="eager",
             **sc.get("bundles", {}),
         )
-        guard = Guard(ddp, optimizer, mse_loss, config, reporter=None)
+        # "auto": the stand-in operator of the spawn's environment; None: no reports.
+        guard = Guard(ddp, optimizer, mse_loss, config, reporter=sc.get("reporter"))
         records = _Records()
         logging.getLogger("sdc_agent").addHandler(records)
         original = None
@@ -129,7 +132,11 @@ def _confirm(bundle: str, faults: str | None) -> tuple[int, dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bundles")
     scenarios = {
-        "persistent": {"faults": PERSISTENT, "bundles": {"bundle_dir": str(root / "p")}},
+        "persistent": {
+            "faults": PERSISTENT,
+            "bundles": {"bundle_dir": str(root / "p")},
+            "reporter": "auto",
+        },
         "clean": {"bundles": {"bundle_dir": str(root / "c")}},
         "transient": {"faults": TRANSIENT, "bundles": {"bundle_dir": str(root / "t")}},
         "no_directory": {"faults": PERSISTENT},
@@ -141,11 +148,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         },
         "monkeypatched": {"patch": SUSPECT, "bundles": {"bundle_dir": str(root / "mp")}},
     }
-    per_rank = spawn_local(_worker, NODES, (list(scenarios.values()),))
+    port = free_port()
+    operator = Operator(port)
+    env = {"HYPERPOD_SDC_OPERATOR_URL": f"http://127.0.0.1:{port}", "HYPERPOD_SDC_TOKEN_FILE": ""}
+    try:
+        per_rank = spawn_local(_worker, NODES, (list(scenarios.values()),), env=env)
+    finally:
+        operator.stop()
     results = {
         name: [per_rank[r][i] for r in range(len(NODES))] for i, name in enumerate(scenarios)
     }
-    return {"root": root, "results": results}
+    reports = [r for _, r in operator.received if isinstance(r, VerdictReport)]
+    return {"root": root, "results": results, "reports": reports}
 
 
 def _agreed_verdicts(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,6 +200,11 @@ def test_a_persistent_fault_writes_one_bundle_that_every_verdict_names(
     # The suspect's own (wrong) result is not the reference.
     assert opened.manifest["suspect_result"]["loss_bits"] != opened.reference["loss_bits"]
     assert not any(r["warnings"] for r in runs["results"]["persistent"])
+    # What the operator receives: every elected node's report of every verdict names it.
+    reports = runs["reports"]
+    assert sorted({r.step for r in reports}) == [3, 4, 5, 6]
+    assert len({r.reporter.node for r in reports}) == 3
+    assert {r.bundle for r in reports} == {str(bundle)}
 
 
 def test_the_bundle_confirms_with_the_suspects_fault_and_not_without(
