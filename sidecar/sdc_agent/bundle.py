@@ -68,9 +68,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -734,7 +734,10 @@ def write_bundle(snapshot: EvidenceSnapshot, path: str | os.PathLike[str]) -> Wr
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             return WriteResult(final, False, error="a bundle is already there; left as it is")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        # Not tempfile.mkdtemp: its 0700 would keep the bundle from a confirmation pod
+        # that runs as another user; the process's umask decides, as for the checkpoints.
+        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}"
+        tmp.mkdir()
     except Exception as exc:
         return WriteResult(final, False, error=f"{type(exc).__name__}: {exc}")
     try:
