@@ -10,6 +10,11 @@ Checkpoints: every ``--checkpoint-every`` steps (a multiple of the replay interv
 audit has vouched for them when they are written), marked verified when every check has.
 On start it resumes from the newest verified checkpoint at or before
 ``HYPERPOD_SDC_RESUME_MAX_STEP``, which the operator sets after an incident.
+
+Evidence: when the replay audit catches a GPU that computes wrong (persistently), one
+healthy rank writes an evidence bundle under ``<checkpoint dir>/sdc-evidence/`` and the
+verdict names it; the operator's confirmation pod recomputes it on the suspect node
+(docs/confirmation.md).
 """
 
 from __future__ import annotations
@@ -86,7 +91,11 @@ def train(args: argparse.Namespace, cuda: bool) -> None:
         if rank == 0:
             print(f"resumed from {ckpt.path} (step {start})", flush=True)
     model = DistributedDataParallel(net)
-    guard = sdc_agent.Guard(model, optimizer, loss_fn)
+    # Evidence bundles go next to the checkpoints (a volume every node mounts), so the
+    # operator's confirmation pod on the suspect node finds them; the first checkpoint
+    # is written only later, so the directory is given up front.
+    config = sdc_agent.GuardConfig.from_env(bundle_dir=str(args.checkpoint_dir.resolve()))
+    guard = sdc_agent.Guard(model, optimizer, loss_fn, config)
     if start:
         guard.restore(start, location=str(ckpt.path))
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .bundling import BundleSource, EvidenceWork, choose_source
 from .errors import SDCError
 from .evidence import (
     Comparison,
@@ -78,6 +79,10 @@ class AuditOutcome:
     """The audit found this step's computations to agree (within the learned noise)."""
     learned: str | None = None
     """What this audit learned about the job's noise, for the once-per-job report."""
+    source: BundleSource | None = None
+    """Where the evidence of a localized, persistent finding is (every rank)."""
+    work: EvidenceWork | None = None
+    """That evidence, on the rank that holds it (:attr:`BundleSource.writer`)."""
 
 
 class _Collector:
@@ -451,7 +456,11 @@ class ReplayAudit:
         if finding.classification != "nondeterministic":
             # A hardware fault says nothing about the job's reproducibility: count the rest.
             self.noise.count(c for p, c in comparisons.items() if p not in mismatched)
-            return AuditOutcome(finding, evidence, False, learned)
+            source = choose_source(finding, rechecks, ring)
+            work = None
+            if source is not None and source.writer == self.me:
+                work = self._evidence_work(source, partner_payload, partner_own, replayed)
+            return AuditOutcome(finding, evidence, False, learned, source, work)
         self.noise.count(comparisons.values())
         # Not hardware: the job's computation varies this much. Learn it (never drop a
         # step for it), or, beyond any plausible noise, stop vouching for steps.
@@ -543,6 +552,23 @@ class ReplayAudit:
             f"once); {self.noise.describe()}"
         )
         return dataclasses.replace(finding, corroborated=False, message=message)
+
+    def _evidence_work(
+        self,
+        source: BundleSource,
+        partner_payload: Payload | None,
+        partner_own: Summary | None,
+        replayed: Summary | None,
+    ) -> EvidenceWork | None:
+        """What this rank, the writer, holds of ``source``'s micro-batch."""
+        if source.work_of == self.me:  # the suspect replayed my work wrong
+            assert self.payload is not None
+            return EvidenceWork(self.payload, self.own_summary(), None)
+        if partner_payload is None or replayed is None:
+            return None
+        # I replayed the suspect's work: my replay is the reference, its own the suspect's.
+        own = partner_own if source.work_of == source.suspect else None
+        return EvidenceWork(partner_payload, replayed, own)
 
     def _baseline(
         self, mismatched: list[int], comparisons: dict[int, Comparison]

@@ -68,9 +68,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -172,8 +172,10 @@ class BundleSettings:
 
     bundle_dir: str | None = None
     """Directory under which ``sdc-evidence/`` is created, normally the job's checkpoint
-    directory (env ``HYPERPOD_SDC_BUNDLE_DIR``). ``None``: the caller decides (the Guard
-    uses the directory of the last checkpoint it was told about), or no bundle."""
+    directory on a volume every node mounts (env ``HYPERPOD_SDC_BUNDLE_DIR``; a path
+    object is taken as its string). ``None``: the Guard uses the directory holding the
+    last checkpoint given to :meth:`Guard.mark_checkpoint`, and writes no bundle until
+    one was given."""
 
     bundle_factory: str | None = None
     """``"pkg.mod:build"``: a function of no arguments that returns ``(module, loss_fn)``,
@@ -186,6 +188,8 @@ class BundleSettings:
     says so. 0 keeps only the manifest (the reference bits, no data or weights)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.bundle_dir, os.PathLike):
+            object.__setattr__(self, "bundle_dir", os.fspath(self.bundle_dir))
         if self.bundle_dir is not None and (
             not isinstance(self.bundle_dir, str) or not self.bundle_dir
         ):
@@ -730,7 +734,10 @@ def write_bundle(snapshot: EvidenceSnapshot, path: str | os.PathLike[str]) -> Wr
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             return WriteResult(final, False, error="a bundle is already there; left as it is")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        # Not tempfile.mkdtemp: its 0700 would keep the bundle from a confirmation pod
+        # that runs as another user; the process's umask decides, as for the checkpoints.
+        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}"
+        tmp.mkdir()
     except Exception as exc:
         return WriteResult(final, False, error=f"{type(exc).__name__}: {exc}")
     try:
@@ -822,6 +829,12 @@ class BundleWriter:
         self._thread: threading.Thread | None = None
         self.results: list[WriteResult] = []
         """Every finished write, in order."""
+
+    def has_room(self) -> bool:
+        """Whether :meth:`submit` would take another bundle now (it stays true until the
+        caller submits one: the writer only ever makes room)."""
+        with self._cond:
+            return not self._closed and len(self._pending) < self._max_pending
 
     def submit(self, snapshot: EvidenceSnapshot, directory: str | os.PathLike[str]) -> Path | None:
         """Queue ``snapshot`` for ``<directory>/sdc-evidence/...``; returns where the

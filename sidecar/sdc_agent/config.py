@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._validate import require_bool, require_choice, require_int, require_number
+from .bundle import BundleSettings
 from .errors import ConfigError
 from .faults import FaultSpec, parse_faults
 from .fingerprint import FINGERPRINT_BACKENDS
@@ -179,6 +180,15 @@ class GuardConfig:
     """This rank's node; ranks on one node share it. Default: env ``NODE_NAME`` (set it
     from the downward API ``spec.nodeName``), else the host name."""
 
+    bundles: BundleSettings = field(default_factory=BundleSettings)
+    """Evidence bundles (:class:`sdc_agent.bundle.BundleSettings`: ``bundle_dir``,
+    ``bundle_factory``, ``bundle_max_bytes``, env ``HYPERPOD_SDC_BUNDLE_*``): on a
+    localized, persistent replay verdict one healthy rank writes what recomputes the
+    failing micro-batch under ``<bundle_dir>/sdc-evidence/`` (default: the directory of
+    the last checkpoint given to :meth:`Guard.mark_checkpoint`), and the verdict names
+    it. :meth:`from_env` takes the three as keyword arguments too
+    (``GuardConfig.from_env(bundle_dir="/fsx/ckpt/run1")``)."""
+
     def __post_init__(self) -> None:
         require_bool("nonfinite_check", self.nonfinite_check)
         require_int("weights_every", self.weights_every, minimum=0, hint=" (0 turns it off)")
@@ -204,6 +214,10 @@ class GuardConfig:
             not isinstance(self.node_name, str) or not self.node_name
         ):
             raise ConfigError(f"node_name: must be a non-empty string, got {self.node_name!r}")
+        if not isinstance(self.bundles, BundleSettings):
+            raise ConfigError(
+                f"bundles: must be a sdc_agent.bundle.BundleSettings, got {self.bundles!r}"
+            )
 
     @property
     def replay_enabled(self) -> bool:
@@ -222,7 +236,8 @@ class GuardConfig:
         would leave a check configured differently than intended).
         """
         env = os.environ if env is None else env
-        known = {f.name for f in fields(cls)}
+        bundle_fields = {f.name for f in fields(BundleSettings)}
+        known = {f.name for f in fields(cls)} | bundle_fields
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ConfigError(
@@ -277,6 +292,13 @@ class GuardConfig:
                 raise ConfigError(f"{FAULTS_ENV}: {exc}") from None
         if (raw := env.get(NODE_NAME_ENV)) is not None and raw.strip():
             values["node_name"] = raw.strip()
+        bundle_overrides = {k: overrides.pop(k) for k in sorted(bundle_fields & set(overrides))}
+        if "bundles" in overrides and bundle_overrides:
+            raise ConfigError(
+                f"bundles: give either bundles= or {', '.join(bundle_overrides)}, not both"
+            )
+        if "bundles" not in overrides:
+            values["bundles"] = BundleSettings.from_env(env, **bundle_overrides)
         values.update(overrides)
         try:
             return cls(**values)

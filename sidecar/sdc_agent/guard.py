@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .audit import AuditOutcome, ReplayAudit, ReplayStats
+from .bundle import EvidenceSnapshot, Tolerance, bundle_path, take_snapshot
+from .bundling import EvidenceKeeper, EvidenceWork, reference_from_summary, suspect_result_of
 from .checkpoint import mark_checkpoint
 from .config import GuardConfig
 from .election import elect_reporters
@@ -128,6 +130,9 @@ class Guard:
         model.register_comm_hook(state=None, hook=self._comm_hook)
         self._forward_handle = model.register_forward_pre_hook(self._forward_pre)
         self._setup_reporting(reporter)
+        self._evidence = EvidenceKeeper(
+            self.config.bundles, self.group, self.comm_device, self.group_rank
+        )
         self._check_seconds: dict[str, float] = {"nonfinite": 0.0, "replay": 0.0, "weights": 0.0}
         self._heartbeat_at = time.monotonic()
 
@@ -516,13 +521,77 @@ class Guard:
         self._log_tolerance()
         finding = outcome.finding
         if finding is not None and finding.classification != "nondeterministic":
-            self._grad_verdicts.append(self._replay_verdict(outcome))
+            verdict = self._replay_verdict(outcome)
+            if outcome.source is not None:
+                started = time.perf_counter()
+                verdict = dataclasses.replace(verdict, bundle=self._name_bundle(outcome))
+                self._check_seconds["replay"] += time.perf_counter() - started
+            self._grad_verdicts.append(verdict)
             self._hold = True
             return
         self._audited_clean = outcome.vouches
         note = outcome.learned or (finding.message if finding is not None else None)
         if note is not None:
             self._report_nondeterminism(note, outcome)
+
+    def _name_bundle(self, outcome: AuditOutcome) -> str | None:
+        """The evidence bundle of a localized, persistent replay verdict: named alike on
+        every rank, written by the one healthy rank that holds the micro-batch and its
+        reference (:mod:`sdc_agent.bundling`). A collective."""
+        source = outcome.source
+        assert source is not None
+        ranks = self.topology.ranks
+        s = ranks[source.suspect]
+        suspect = Suspect(
+            rank=s.rank, node=s.node, local_rank=s.local_rank, pod=s.pod, gpu_uuid=s.gpu_uuid
+        )
+        step, run_id = self.step_count, self.run_id
+        module = self.model.module
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+        writer = ranks[source.writer]
+
+        def snapshot(work: EvidenceWork) -> EvidenceSnapshot:
+            # What the confirmation compares with: gradients within the learned noise; the
+            # loss bit for bit (a finding within the loss's own learned noise, rounding
+            # level, is never corroborated, so its node is never quarantined and confirmed).
+            learned = self._audit.noise.tolerance((source.suspect, source.writer))
+            role = "replayer" if source.work_of != source.writer else "owner"
+            return take_snapshot(
+                module=module,
+                payload=work.payload,
+                reference=reference_from_summary(
+                    work.reference, names, computed_by=writer.rank, node=writer.node
+                ),
+                suspect=suspect,
+                step=step,
+                run_id=run_id,
+                tolerance=Tolerance(
+                    bit_reproducible=learned.loss == 0 and learned.gradients == 0,
+                    gradient_tolerance=learned.gradients,
+                ),
+                loss_fn=self._audit.loss_fn,
+                settings=self.config.bundles,
+                work_of=ranks[source.work_of].rank,
+                recorded_by={
+                    "rank": writer.rank,
+                    "node": writer.node,
+                    "pod": writer.pod,
+                    "local_rank": writer.local_rank,
+                    "role": role,
+                },
+                suspect_result=None
+                if work.suspect_result is None
+                else suspect_result_of(work.suspect_result, names),
+                loss_scale=None if self.scaler is None else float(self.scaler.get_scale()),
+                evidence=outcome.evidence,
+            )
+
+        return self._evidence.name_bundle(
+            source,
+            outcome.work,
+            path_of=lambda directory: bundle_path(directory, run_id, step, suspect.rank),
+            snapshot=snapshot,
+        )
 
     def _report_nondeterminism(self, note: str, outcome: AuditOutcome) -> None:
         if self._nondeterminism_reported:
@@ -739,12 +808,16 @@ class Guard:
         step): verified when every check vouched for it. Writes the marker
         :func:`~sdc_agent.checkpoint.select_checkpoint` reads and, on a reporting rank,
         tells the operator, which resumes a job only if it knows a verified checkpoint old
-        enough. Call it on the rank that wrote the checkpoint; returns ``verified``."""
+        enough. Call it on the rank that wrote the checkpoint; returns ``verified``.
+
+        The directory holding ``path`` is also where evidence bundles go, unless
+        ``bundle_dir`` says otherwise (:class:`~sdc_agent.bundle.BundleSettings`)."""
         step = self.step_count if step is None else step
         verified = step <= self.last_clean_step
         mark_checkpoint(
             path, step, verified=verified, reporter=self.reporter, identity=self._identity
         )
+        self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
         return verified
 
     @property
@@ -762,10 +835,12 @@ class Guard:
     def close(self, timeout: float = 10.0) -> None:
         """Deliver queued reports (up to ``timeout`` seconds), remove the forward hooks of
         injected faults and the Guard's hooks on the model and optimizer (the comm hook
-        stays with DDP)."""
+        stays with DDP). An evidence bundle still being written is finished first (up to
+        ``timeout`` seconds too)."""
         self._injector.detach()
         self._forward_handle.remove()
         self._gate.remove()
+        self._evidence.close(timeout)  # a bundle still being written is finished first
         if self.reporter is not None:
             self.reporter.close(timeout)
 
@@ -833,6 +908,7 @@ class Guard:
             evidence=v.evidence,
             corroborated=v.corroborated,
             run_id=self.run_id,
+            bundle=v.bundle,
         )
         try:
             encode_report(report)

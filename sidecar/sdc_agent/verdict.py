@@ -54,6 +54,11 @@ class Verdict:
     suspect's micro-batch was finite elsewhere); false when the verdict rests on one
     observation that cannot separate hardware from data (one collective, one
     computation); ``None`` for verdicts that accuse nobody."""
+    bundle: str | None = None
+    """Where the evidence bundle that recomputes the failing micro-batch is, or is being,
+    written (``<dir>/sdc-evidence/<run>-<step>-r<rank>``; see :mod:`sdc_agent.bundle`):
+    named on localized, persistent replay verdicts when a directory is known, before
+    the bundle is complete (the confirmation waits for it). ``None``: no bundle."""
 
     @property
     def accuses_hardware(self) -> bool:
@@ -72,6 +77,7 @@ class Verdict:
             "evidence": self.evidence,
             "transient": self.transient,
             "corroborated": self.corroborated,
+            "bundle": self.bundle,
         }
 
 

@@ -4,6 +4,7 @@ damage named, and recomputing the audited micro-batch bit for bit."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -252,6 +253,20 @@ def test_an_existing_bundle_is_never_overwritten_and_a_failed_write_leaves_nothi
     result = write_bundle(snapshot(model, bad, reference), target)
     assert not result.written and result.error
     assert list(target.parent.iterdir()) == []
+
+
+def test_a_bundle_is_as_readable_as_the_umask_makes_a_directory(tmp_path: Path) -> None:
+    # The confirmation pod may run as another user than training: no private 0700.
+    torch.manual_seed(4)
+    model = Net()
+    payload, reference = healthy(model, make_batch())
+    old = os.umask(0o022)
+    try:
+        result = written(tmp_path, snapshot(model, payload, reference))
+    finally:
+        os.umask(old)
+    assert result.path.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in result.path.iterdir())
 
 
 def test_capture_never_raises_into_training(tmp_path: Path) -> None:
