@@ -247,12 +247,13 @@ def pod_body(
             }
         },
         "tolerations": tolerations,
+        # It reads a bundle and computes; it has nothing to ask the API server.
+        "automountServiceAccountToken": False,
         "volumes": [v for v in tspec.get("volumes") or [] if v.get("name") in mounted],
         "containers": [confirm],
     }
     for key in (
         "serviceAccountName",
-        "automountServiceAccountToken",
         "imagePullSecrets",
         "securityContext",
         "runtimeClassName",

@@ -574,7 +574,9 @@ class IncidentEngine:
         self.metrics.actions.labels(action.action, outcome.result).inc()
         found = outcome.fields.get("confirmation") or {}
         if written is not None and found.get("outcome") in confirmation.OUTCOMES:
-            await self._confirmation_said(written, found["outcome"], outcome, rules)
+            self.metrics.confirmations.labels(found["outcome"]).inc()
+            assert outcome.condition is not None
+            await self._confirmation_said(written, found["outcome"], rules, outcome.condition)
         return written
 
     # -- confirmation ------------------------------------------------------------------------
@@ -626,23 +628,21 @@ class IncidentEngine:
             return False
         if (written.get("status") or {}).get("confirmation") != entry:
             return True  # someone else recorded it: read again
+        self.metrics.confirmations.labels(outcome).inc()
         if pod_name and reason not in ("PodGone",) and "exitCode" not in found:
             await self._delete_pod(key[0], pod_name)  # given up: it must not start later
-        await self._confirmation_said(written, outcome, None, rules, condition)
+        await self._confirmation_said(written, outcome, rules, condition)
         return True
 
     async def _confirmation_said(
         self,
         incident: dict[str, Any],
         outcome: str,
-        taken: Outcome | None,
         rules: Rules,
-        condition: tuple[str, str, str, str] | None = None,
+        condition: tuple[str, str, str, str],
     ) -> None:
-        """The metric and the Event for a confirmation's end."""
-        self.metrics.confirmations.labels(outcome).inc()
-        condition = condition or (taken.condition if taken is not None else None)
-        message = condition[3] if condition else outcome
+        """The Event (and the log line) for a confirmation's end."""
+        message = condition[3]
         if outcome != "confirmed" and rules.remediation_policy == "auto-replace-confirmed":
             meta = incident["metadata"]
             message += (

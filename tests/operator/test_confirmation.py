@@ -137,6 +137,7 @@ def test_the_pod_is_pinned_tolerant_owned_and_runs_the_confirmation() -> None:
     assert {SUSPECT_KEY, "node.kubernetes.io/unschedulable", "nvidia.com/gpu"} == keys
     assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 1800
     assert spec["serviceAccountName"] == "trainer"
+    assert spec["automountServiceAccountToken"] is False  # it has nothing to ask the API
     assert spec["imagePullSecrets"] == [{"name": "registry"}]
     assert [v["name"] for v in spec["volumes"]] == ["fsx"]  # only what the container mounts
     (container,) = spec["containers"]
