@@ -12,6 +12,7 @@ import pytest
 from sdc_operator import confirmation, incidents
 from sdc_operator.errors import ConfigError
 from sdc_operator.incidents import Action, Rules
+from sdc_operator.jobs import job_owner
 from sdc_operator.names import SUSPECT_KEY
 from sdc_operator.policy import POLICY_CAUTION, namespace_admission
 from sdc_operator.settings import OperatorSettings
@@ -122,7 +123,8 @@ def test_the_pod_is_pinned_tolerant_owned_and_runs_the_confirmation() -> None:
             "controller": True,
         }
     ]
-    # not a training pod: none of the labels the webhook selects by
+    # not a training pod: owned by no job, and none of the labels the webhook selects by
+    assert job_owner(body) is None
     assert set(meta["labels"]) == {
         "hyperpod-sdc.dev/confirmation",
         "hyperpod-sdc.dev/incident",
