@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from sdc_agent.protocol import VerdictReport
+from sdc_operator.cli import render_describe
 
 from . import kubelet
 from .cluster import Cluster, OperatorProcess, wait_for
@@ -230,6 +231,14 @@ def test_confirmed_once_across_a_restart_and_recorded(
     )
     table = cluster.kubectl("get", "sdci", "-n", namespace)
     assert "CONFIRMED" in table.splitlines()[0] and "confirmed" in table.splitlines()[1]
+    # kubectl sdc describe reads the same fields
+    described = render_describe(incident, [])
+    assert "Confirmed=True (Reproduced)" in described
+    assert f"outcome confirmed on node {job.node_name(1)}" in described
+    assert any(
+        line.split()[:4] == ["0", "1", "-", "reproduces"] for line in described.splitlines()
+    ), described
+    assert f"bundle: {bundle}" in described
     assert len(pods_for(cluster, namespace, "train")) == 1
 
 
