@@ -581,40 +581,41 @@ class IncidentEngine:
 
     # -- confirmation ------------------------------------------------------------------------
 
-    async def _confirmation_result(self, key: Key, incident: dict[str, Any], rules: Rules) -> bool:
-        """Record what the confirmation pod came to (or, for a quarantined node whose
-        verdict named no bundle, that there is nothing to confirm). Whether it wrote."""
+    def _judge_confirmation(
+        self, key: Key, incident: dict[str, Any], rules: Rules
+    ) -> tuple[tuple[str, str, str, dict[str, Any]], dict[str, Any] | None] | None:
+        """What to record about the confirmation now, with its pod as the cache has it,
+        or ``None``: nothing (none runs, or it still runs)."""
         status = incident.get("status") or {}
-        pod_name = ""
         if incidents.needs_bundle_note(incident, rules):
             node = str(confirmation.confirmation_node(incident))
             message = (
                 f"nothing to recompute on node {node}: the verdict named no evidence bundle "
                 "(the agent writes one next to the checkpoints it is told of; docs/agent.md)"
             )
-            judged: tuple[str, str, str, dict[str, Any]] | None = (
-                "unknown",
-                "NoBundle",
-                message,
-                {"node": node},
-            )
-        elif confirmation.is_running(status) and not rules.dry_run:
-            running = status["confirmation"]
-            pod_name = str(running.get("pod") or "")
-            judged = confirmation.judge(
-                running,
-                self.caches.pods.get(key[0], pod_name),
-                datetime.now(timezone.utc),
-                start_seconds=self.settings.confirmation_start_seconds,
-                deadline_seconds=self.settings.confirmation_deadline_seconds,
-            )
-        else:
+            return ("unknown", "NoBundle", message, {"node": node}), None
+        if not confirmation.is_running(status) or rules.dry_run:
+            return None
+        running = status["confirmation"]
+        pod = self.caches.pods.get(key[0], str(running.get("pod") or ""))
+        judged = confirmation.judge(
+            running,
+            pod,
+            datetime.now(timezone.utc),
+            start_seconds=self.settings.confirmation_start_seconds,
+            deadline_seconds=self.settings.confirmation_deadline_seconds,
+        )
+        return (judged, pod) if judged is not None else None
+
+    async def _confirmation_result(self, key: Key, incident: dict[str, Any], rules: Rules) -> bool:
+        """Record what the confirmation pod came to (or, for a quarantined node whose
+        verdict named no bundle, that there is nothing to confirm). Whether it wrote."""
+        found = self._judge_confirmation(key, incident, rules)
+        if found is None:
             return False
-        if judged is None:
-            return False
-        outcome, reason, message, found = judged
-        entry, condition = confirmation.record(outcome, reason, message, found, now_iso())
-        wanted = status.get("confirmation")
+        (outcome, reason, message, record), pod = found
+        entry, condition = confirmation.record(outcome, reason, message, record, now_iso())
+        wanted = (incident.get("status") or {}).get("confirmation")
 
         def change(status: dict[str, Any]) -> dict[str, Any] | None:
             if status.get("confirmation") != wanted:
@@ -629,8 +630,12 @@ class IncidentEngine:
         if (written.get("status") or {}).get("confirmation") != entry:
             return True  # someone else recorded it: read again
         self.metrics.confirmations.labels(outcome).inc()
-        if pod_name and reason not in ("PodGone",) and "exitCode" not in found:
-            await self._delete_pod(key[0], pod_name)  # given up: it must not start later
+        if pod is not None and (pod.get("status") or {}).get("phase") not in (
+            "Succeeded",
+            "Failed",
+        ):
+            # Given up before it ended: it must not start later and hold the node's GPUs.
+            await self._delete_pod(key[0], str(pod["metadata"]["name"]))
         await self._confirmation_said(written, outcome, rules, condition)
         return True
 
