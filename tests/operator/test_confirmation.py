@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from datetime import datetime, timedelta, timezone
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 
 from sdc_operator import confirmation, incidents
-from sdc_operator.errors import ConfigError
+from sdc_operator.actions import Actions
+from sdc_operator.errors import ApiError, ConfigError
 from sdc_operator.incidents import Action, Rules
 from sdc_operator.jobs import job_owner
 from sdc_operator.names import SUSPECT_KEY
@@ -433,3 +435,61 @@ def test_confirmation_settings_are_checked() -> None:
         OperatorSettings.from_env({"HYPERPOD_SDC_CONFIRMATION_REPEAT": "0"})
     with pytest.raises(ConfigError, match="^HYPERPOD_SDC_CONFIRMATION_START_SECONDS: must be > 0"):
         OperatorSettings.from_env({"HYPERPOD_SDC_CONFIRMATION_START_SECONDS": "0"})
+
+
+# -- creating the pod (Actions, against a stand-in for the API client) ------------------------
+
+
+class _Kube:
+    """Answers ``create`` with ``error`` (or the body), ``get`` with ``existing``."""
+
+    def __init__(self, error: ApiError | None = None, existing: dict[str, Any] | None = None):
+        self.error, self.existing = error, existing
+        self.created: list[dict[str, Any]] = []
+
+    async def get_object(self, *_: Any) -> dict[str, Any]:
+        return job()
+
+    async def create(self, _v: str, _p: str, _ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        self.created.append(body)
+        return {**body, "metadata": {**body["metadata"], "creationTimestamp": AT}}
+
+    async def get(self, *_: Any) -> dict[str, Any]:
+        assert self.existing is not None
+        return self.existing
+
+
+class _Pods:
+    def upsert(self, _: dict[str, Any]) -> None:
+        pass
+
+
+def start(kube: _Kube) -> Any:
+    async def emit(*_: Any) -> None:
+        pass
+
+    caches: Any = type("C", (), {"pods": _Pods()})()
+    actions = Actions(kube, caches, OperatorSettings(), None, emit)  # type: ignore[arg-type]
+    return asyncio.run(
+        actions.take(incident(bundle=BUNDLE), Action("confirm-node", "node-b"), Rules())
+    )
+
+
+def test_the_pod_is_created_once_and_a_conflict_finds_it_or_says_whose_it_is() -> None:
+    kube = _Kube()
+    made = start(kube)
+    assert made.result == "Succeeded" and made.condition[:3] == ("Confirmed", "Unknown", "Running")
+    assert made.fields["confirmation"]["outcome"] == "running" and len(kube.created) == 1
+    ours = {"metadata": {"name": "x", "ownerReferences": [{"uid": "inc-uid"}]}}
+    found = start(_Kube(ApiError(409, "exists"), ours))
+    assert found.result == "Succeeded" and found.message.startswith("found")
+    theirs = {"metadata": {"name": "x", "ownerReferences": [{"uid": "someone"}]}}
+    taken = start(_Kube(ApiError(409, "exists"), theirs))
+    assert (taken.result, taken.reason) == ("Skipped", "NameTaken")
+    assert taken.fields["confirmation"]["outcome"] == "unknown"
+    refused = start(_Kube(ApiError(403, "forbidden: pods create")))
+    assert (refused.result, refused.condition[2]) == ("Skipped", "CouldNotCreate")
+    with pytest.raises(ApiError):  # a server error is retried: the action stays Pending
+        start(_Kube(ApiError(503, "unavailable")))
