@@ -494,6 +494,10 @@ class Runner:
             },
         }
         self.trainer.create_namespaced_pod(NAMESPACE, body)
+        # The kubelet's part: it reports the pod running once it starts the containers.
+        self.server.core.patch_namespaced_pod_status(
+            name, NAMESPACE, {"status": {"phase": "Running"}}
+        )
         return dict(
             json.loads(
                 self.server.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data

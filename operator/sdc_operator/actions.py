@@ -38,12 +38,15 @@ from .names import (
 from .remediate import HyperPodNodes, took_effect
 from .settings import OperatorSettings
 
-__all__ = ["Actions", "Outcome"]
+__all__ = ["UNKNOWN", "Actions", "Outcome"]
 
 log = logging.getLogger(__name__)
 _NODE_CONFLICT_RETRIES = 20
 
 Emit = Callable[[dict[str, Any], str, str, bool], Awaitable[None]]
+UNKNOWN = "Unknown"
+"""The result of a call whose fate cannot be told (no answer): never recorded; the action
+stays ``Pending`` and :meth:`Actions.verify` finds out what happened."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,6 +559,8 @@ class Actions:
                 )
             assert cluster is not None and instance is not None
             ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+            if ok is None:
+                return Outcome(UNKNOWN, message)
             if not ok:
                 return _remediation_failed(message)
         done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]

@@ -146,7 +146,7 @@ class TokenReviewer:
             if cached[0] > now:
                 self._count("cached")
                 if isinstance(cached[1], Refusal):
-                    raise cached[1]
+                    raise cached[1].again()
                 return cached[1]
             del self._cache[key]
         shared = self._in_flight.get(key)
@@ -185,7 +185,7 @@ class TokenReviewer:
                 identity = self._identity(status)
             except Refusal as refusal:
                 self._count("rejected")
-                self._remember(key, self._clock() + self._negative_seconds, refusal)
+                self._remember(key, self._clock() + self._negative_seconds, refusal.again())
                 raise
             self._count("accepted")
             until = self._clock() + self._cache_seconds

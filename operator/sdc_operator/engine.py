@@ -31,7 +31,7 @@ from typing import Any
 from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 
 from . import confirmation, incidents, jobs
-from .actions import Actions, Outcome
+from .actions import UNKNOWN, Actions, Outcome
 from .caches import Caches
 from .errors import ApiError
 from .incidents import (
@@ -327,6 +327,8 @@ class IncidentEngine:
         the window is contained as a persistent fault after all."""
         if (incident.get("status") or {}).get("phase") not in HELD_PHASES:
             return incident
+        if not incidents.repeats_are_evidence(incident):
+            return incident
         uid = incident["spec"]["job"]["uid"]
         repeats = incidents.repeat_candidates(
             incident, self.caches.incidents_of(uid), self.settings.repeat_window_steps
@@ -570,6 +572,10 @@ class IncidentEngine:
             if recorded is None or already:
                 return recorded
             outcome = await self.actions.take(recorded, action, rules)
+        if outcome.result == UNKNOWN:
+            log.warning("incident %s/%s: %s; verifying before anything else", *key, outcome.message)
+            self._later(key, min(5.0, self.settings.resync_seconds))
+            return None
         written = await self._write(key, lambda s: outcome.apply(s, action), self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
         found = outcome.fields.get("confirmation") or {}

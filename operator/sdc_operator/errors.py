@@ -28,6 +28,12 @@ class Refusal(OperatorError):
         self.message = message
         self.retry_after = retry_after
 
+    def again(self) -> Refusal:
+        """A fresh copy to raise once more. Raising one stored exception again and again
+        (a cached refusal) would chain every raise's frames, and the request bodies they
+        hold, onto its traceback."""
+        return Refusal(self.status, self.reason, self.message, retry_after=self.retry_after)
+
 
 class ApiError(OperatorError):
     """The Kubernetes API server answered ``status`` (>= 400), or could not be reached

@@ -31,7 +31,7 @@ from .leader import LeaderElector, Members
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .optin import OptIn
-from .remediate import HyperPodNodes
+from .remediate import HyperPodNodes, client_config
 from .settings import OperatorSettings
 from .trust_bundle import ServingCertificate
 from .webhook import WebhookSettings
@@ -50,7 +50,9 @@ def _sagemaker_factory(settings: OperatorSettings) -> Callable[[], Any]:
 
     def make() -> Any:
         if not made:
-            made.append(boto3.client("sagemaker", region_name=settings.aws_region))
+            made.append(
+                boto3.client("sagemaker", region_name=settings.aws_region, config=client_config())
+            )
         return made[0]
 
     return make

@@ -263,13 +263,27 @@ def evidence_hold(incident: dict[str, Any], needed: int) -> tuple[str, str] | No
         )
     corroborated = _tristate(agreed, "corroborated")
     if corroborated is False or (corroborated is None and check == "nonfinite"):
+        until = (
+            "caught again"
+            if repeats_are_evidence(incident)
+            else "caught by a check that recomputes its work elsewhere, or a person decides "
+            "(a non-finite gradient seen again on one rank may be the same bad record of "
+            "its data)"
+        )
         return (
             "AwaitingEvidence",
             "not corroborated: no independent recomputation on another node supports the "
-            "accusation yet; nothing is stopped or quarantined unless the same node is "
-            "caught again",
+            f"accusation yet; nothing is stopped or quarantined unless the same node is {until}",
         )
     return None
+
+
+def repeats_are_evidence(incident: dict[str, Any]) -> bool:
+    """Whether the same node caught again strengthens this held incident's case. Not for a
+    non-finite verdict: the same rank's NaN twice may be one bad record of its data shard
+    seen again (an epoch shorter than the window, no shuffling), which no repeat tells
+    apart from a bad GPU."""
+    return str((incident.get("spec") or {}).get("check") or "") != "nonfinite"
 
 
 def _phase_before_containment(incident: dict[str, Any], needed: int) -> str:

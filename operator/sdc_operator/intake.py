@@ -525,6 +525,16 @@ class Intake:
             problem = self._why_not_genuine(pod, job or None)
             if problem is not None:
                 raise Refusal(422, "unknown_suspect", f"{field}: {problem[1]}")
+            phase = (pod.get("status") or {}).get("phase")
+            if phase not in RAN_PHASES:
+                # A pod bound to a node that never ran it there (the kubelet refused it:
+                # no free GPU, say) says nothing about that node's hardware.
+                raise Refusal(
+                    422,
+                    "unknown_suspect",
+                    f"{field}: pod {pod['metadata']['name']} is {phase or 'without a phase'}, "
+                    f"so it never ran on node {node!r}",
+                )
             if node not in instances:
                 instances[node] = await self._instance(node)
             resolved.append(
@@ -545,6 +555,10 @@ class Intake:
             return None
         found, _ = await self.resolver.instance_id(node)
         return found
+
+
+RAN_PHASES = frozenset({"Running", "Succeeded"})
+"""Pod phases in which its containers ran on its node: only such a pod can be a suspect."""
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

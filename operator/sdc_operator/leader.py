@@ -7,7 +7,8 @@ peering pauses all of a standby's watches, caches included. So kopf runs standal
 each replica, and this module decides which one acts (patches, SageMaker calls).
 
 - The leader renews the Lease every ``lease_seconds / 5``. If it cannot renew for
-  ``0.7 * lease_seconds`` it stops acting, before anyone else may take over.
+  ``0.7 * lease_seconds`` it stops acting, before anyone else may take over; a renewal
+  that hangs is abandoned at that deadline.
 - A standby takes over when the Lease has not changed for ``lease_seconds`` on its own
   clock (no clock comparison between machines), so at most ``lease_seconds`` plus one retry
   after the leader died: 12 s with the default 10.
@@ -80,8 +81,13 @@ class LeaderElector:
 
     async def run(self) -> None:
         while True:
+            # Bounded: a leader whose renewal hangs (a partition, a stuck connection) must
+            # stop acting by its renew deadline, not whenever the call gives up.
+            timeout = self.lease_seconds / 2
+            if self.is_leader:
+                timeout = max(0.05, self.renew_deadline - (self._clock() - self._renewed_at))
             try:
-                await self.step()
+                await self._bounded_step(timeout)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -95,6 +101,20 @@ class LeaderElector:
                 )
                 self._lose()
             await asyncio.sleep(self.retry_seconds)
+
+    async def _bounded_step(self, timeout: float) -> None:
+        """:meth:`step`, abandoned after ``timeout`` seconds. Not ``asyncio.wait_for``: on
+        Python < 3.12 it can swallow a cancellation that meets a step ending at once (the
+        API server refusing), and the election would never stop."""
+        task = asyncio.ensure_future(self.step())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        finally:
+            if not task.done():
+                task.cancel()
+        if not done:
+            raise TimeoutError(f"the API server did not answer within {timeout:.1f} s")
+        task.result()
 
     def _spec(self, transitions: int, acquired: str | None = None) -> dict[str, Any]:
         now = micro_time()

@@ -2,10 +2,14 @@
 BatchReplaceClusterNodes (boto3 ``sagemaker``), one node per call, and DescribeClusterNode
 to find out, after a restart, whether a call that may have been made took effect.
 
-A per-node failure in the response (``Failed[]``) is a failed action: the engine records it
-and retries with back-off. The endpoint is boto3's: set ``AWS_ENDPOINT_URL_SAGEMAKER`` for a
-VPC endpoint. boto3 blocks, so each call runs on this module's own small thread pool, never
-the one the rest of the process might share.
+A per-node failure in the response (``Failed[]``), or a refusal (a 4xx error), is a failed
+action: the engine records it and retries with back-off. A call whose fate is unknown (no
+answer, a connection reset, a 5xx: SageMaker may have acted) is never repeated blind: the
+action stays ``Pending`` and is verified with DescribeClusterNode, as after a crash. So the
+client is made without botocore's own retries (:func:`client_config`). The endpoint is
+boto3's: set ``AWS_ENDPOINT_URL_SAGEMAKER`` for a VPC endpoint. boto3 blocks, so each call
+runs on this module's own small thread pool, never the one the rest of the process might
+share.
 """
 
 from __future__ import annotations
@@ -15,10 +19,30 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HyperPodNodes", "took_effect"]
+__all__ = ["HyperPodNodes", "client_config", "took_effect"]
 
 _OPERATIONS = {"reboot": "batch_reboot_cluster_nodes", "replace": "batch_replace_cluster_nodes"}
 _STILL_RUNNING = frozenset({"Running"})
+
+
+def client_config() -> Any:
+    """botocore settings for the SageMaker client: one attempt per call. botocore's retries
+    resend a Batch* call after a read timeout or a 5xx, which may have been acted on."""
+    from botocore.config import Config
+
+    return Config(retries={"total_max_attempts": 1})
+
+
+def _refused(exc: Exception) -> bool:
+    """The call was answered with a refusal (a 4xx, or botocore refused to send it), so
+    nothing happened; otherwise its fate is unknown."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return isinstance(status, int) and 400 <= status < 500
+    from botocore.exceptions import ParamValidationError
+
+    return isinstance(exc, ParamValidationError)
 
 
 def took_effect(action: str, described: dict[str, Any] | None) -> bool | None:
@@ -52,9 +76,12 @@ class HyperPodNodes:
             self._client = self._make_client()
         return self._client
 
-    async def remediate(self, action: str, cluster: str, instance_id: str) -> tuple[bool, str]:
-        """``(succeeded, message)`` for ``reboot`` or ``replace`` of one node."""
-        result: tuple[bool, str] = await self._run(self._call, action, cluster, instance_id)
+    async def remediate(
+        self, action: str, cluster: str, instance_id: str
+    ) -> tuple[bool | None, str]:
+        """``(succeeded, message)`` for ``reboot`` or ``replace`` of one node; ``succeeded``
+        is ``None`` where it cannot be told (no answer: SageMaker may have acted)."""
+        result: tuple[bool | None, str] = await self._run(self._call, action, cluster, instance_id)
         return result
 
     async def describe(self, cluster: str, instance_id: str) -> dict[str, Any] | None:
@@ -74,13 +101,15 @@ class HyperPodNodes:
             raise
         return dict(response.get("NodeDetails") or {})
 
-    def _call(self, action: str, cluster: str, instance_id: str) -> tuple[bool, str]:
+    def _call(self, action: str, cluster: str, instance_id: str) -> tuple[bool | None, str]:
         operation = getattr(self._sm(), _OPERATIONS[action])
         name = "Batch" + action.capitalize() + "ClusterNodes"
         try:
             response = operation(ClusterName=cluster, NodeIds=[instance_id])
         except Exception as exc:  # botocore's errors are many; the message says which
-            return False, f"{name}({cluster}, {instance_id}) failed: {exc}"
+            if _refused(exc):
+                return False, f"{name}({cluster}, {instance_id}) failed: {exc}"
+            return None, f"{name}({cluster}, {instance_id}) got no answer: {exc}"
         for failure in response.get("Failed") or []:
             if failure.get("NodeId") == instance_id:
                 return False, (

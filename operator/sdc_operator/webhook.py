@@ -62,6 +62,13 @@ ADMISSION_PATH = "/v1/admission/pods"
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 """A pod is at most about 1.5 MiB (etcd's limit); its AdmissionReview carries it once on
 CREATE, twice on UPDATE."""
+MAX_IN_FLIGHT = 64
+"""Reviews answered at once; more get 503 (the API server then applies the failure policy).
+With :data:`MAX_REVIEW_BYTES` and :data:`READ_SECONDS` it bounds what requests to this
+unauthenticated path can hold: 256 MiB for at most 3 s each."""
+READ_SECONDS = 3.0
+"""The API server sends a review in one go; a body still arriving after this is refused
+(408), so slow clients cannot hold connections and buffers open."""
 POLICY_PLURAL = "sdcpolicies"
 REVIEW_API = "admission.k8s.io/v1"
 
@@ -240,6 +247,22 @@ class _BadReview(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+def _pod_name(req: Mapping[str, Any]) -> Any:
+    meta = (req.get("object") or {}).get("metadata") or {}
+    return meta.get("name") or meta.get("generateName")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(MAX_REVIEW_BYTES + 1 - size):
+        size += len(chunk)
+        if size > MAX_REVIEW_BYTES:
+            raise _BadReview(413, "too_large", f"larger than {MAX_REVIEW_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _timeout_seconds(query: Mapping[str, str]) -> float:
     """The API server's ``?timeout=5s`` (a Go duration; seconds are what it sends)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", query.get("timeout", ""))
@@ -271,6 +294,7 @@ class PodWebhook:
         # A pod mounts the CA ConfigMap only while the operator has a CA to publish there:
         # a volume of a ConfigMap that never appears would keep the pod from starting.
         self.ca_available = ca_available
+        self.in_flight = 0
         self.reviews = Counter(
             "hyperpod_sdc_admission_reviews",
             "Pod admission reviews answered, by operation and outcome (injected, untouched: "
@@ -284,27 +308,38 @@ class PodWebhook:
         app.router.add_post(ADMISSION_PATH, self.post_admission)
 
     async def post_admission(self, request: web.Request) -> web.Response:
+        if self.in_flight >= MAX_IN_FLIGHT:
+            self.reviews.labels("", "refused").inc()
+            return web.json_response(
+                {"error": "overloaded", "message": "too many reviews at once"},
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.Response:
         try:
             review = await self._read(request)
         except _BadReview as bad:
             self.reviews.labels("", "refused").inc()
             log.info("refused an admission request (%s): %s", bad.reason, bad.message)
-            return web.json_response(
+            refused = web.json_response(
                 {"error": bad.reason, "message": bad.message}, status=bad.status
             )
+            if bad.status in (408, 413):
+                refused.force_close()  # the rest of the body is not worth reading
+            return refused
         req = review["request"]
         operation = str(req.get("operation") or "")
         budget = max(0.2, 0.8 * _timeout_seconds(request.query) - 0.2)
         try:
-            response, outcome = await asyncio.wait_for(self.review(req), budget)
-        except Exception as exc:  # a timeout or a failed lookup: allow, unwired
-            log.warning(
-                "admission of pod %s/%s: %s; allowed without the agent's wiring",
-                req.get("namespace"),
-                (req.get("object") or {}).get("metadata", {}).get("name")
-                or (req.get("object") or {}).get("metadata", {}).get("generateName"),
-                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
-            )
+            response, outcome = await self.review(req, budget)
+        except Exception:  # a bug: allow, unwired and unpatched
+            log.exception("admission of pod %s/%s failed", req.get("namespace"), _pod_name(req))
             response, outcome = {"uid": req["uid"], "allowed": True}, "error"
         self.reviews.labels(operation, outcome).inc()
         return web.json_response(
@@ -320,14 +355,14 @@ class PodWebhook:
             )
         if request.content_length is not None and request.content_length > MAX_REVIEW_BYTES:
             raise _BadReview(413, "too_large", f"larger than {MAX_REVIEW_BYTES} bytes")
-        chunks, size = [], 0
         try:
-            while chunk := await request.content.read(MAX_REVIEW_BYTES + 1 - size):
-                size += len(chunk)
-                if size > MAX_REVIEW_BYTES:
-                    raise _BadReview(413, "too_large", f"larger than {MAX_REVIEW_BYTES} bytes")
-                chunks.append(chunk)
-            review = json.loads(b"".join(chunks))
+            raw = await asyncio.wait_for(_read_body(request), READ_SECONDS)
+        except asyncio.TimeoutError:
+            raise _BadReview(
+                408, "timeout", f"the body did not arrive within {READ_SECONDS:g} s"
+            ) from None
+        try:
+            review = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _BadReview(400, "malformed", f"not JSON: {exc}") from None
         if not isinstance(review, dict):
@@ -344,8 +379,12 @@ class PodWebhook:
             raise _BadReview(400, "malformed", "request.uid: required")
         return review
 
-    async def review(self, req: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-        """The review's ``response`` and the outcome to count."""
+    async def review(
+        self, req: Mapping[str, Any], budget: float = 5.0
+    ) -> tuple[dict[str, Any], str]:
+        """The review's ``response`` and the outcome to count. The attestation is written
+        or stripped whatever happens; the wiring, which needs lookups, only where they
+        answer within ``budget`` seconds."""
         allow: dict[str, Any] = {"uid": req["uid"], "allowed": True}
         kind = req.get("kind") or {}
         pod = req.get("object")
@@ -371,8 +410,17 @@ class PodWebhook:
         else:
             username = str((req.get("userInfo") or {}).get("username") or "")
             after = attest(pod, username, self.trusted_creators(), self.key)
-            wired = await self._wire(after, namespace)
-            outcome = "injected" if wired is not None else "untouched"
+            try:
+                wired = await asyncio.wait_for(self._wire(after, namespace), budget)
+                outcome = "injected" if wired is not None else "untouched"
+            except Exception as exc:  # a timeout or a failed lookup: attested, unwired
+                log.warning(
+                    "admission of pod %s/%s: %s; allowed without the agent's wiring",
+                    namespace,
+                    _pod_name(req),
+                    f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                )
+                wired, outcome = None, "error"
             after = wired or after
         patch = json_patch(pod, after)
         if patch:

@@ -57,7 +57,7 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
             assert annotations["hyperpod-sdc.dev/created-by"] == (
                 "system:serviceaccount:kubeflow:training-operator"
             )
-            assert annotations["hyperpod-sdc.dev/attestation"].startswith("v1:")
+            assert annotations["hyperpod-sdc.dev/attestation"].startswith("v2:")
 
     # no fault: no incident, no node touched
     clean = demo["clean"]

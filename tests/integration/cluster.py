@@ -258,8 +258,10 @@ class Cluster:
         attested: bool = True,
         annotations: dict[str, str] | None = None,
         key: bytes | None = None,
+        running: bool = True,
     ) -> dict[str, Any]:
-        """A pod bound to ``node`` (as the scheduler would). ``attested``: with the
+        """A pod bound to ``node`` (as the scheduler would) and, if ``running``, with the
+        phase the kubelet then reports. ``attested``: with the
         annotations the admission webhook writes on a pod the training operator made
         (signed with this cluster's test key); the tests create pods as the admin."""
         meta: dict[str, Any] = {"name": name, "annotations": dict(annotations or {})}
@@ -279,7 +281,12 @@ class Cluster:
                 meta["labels"] = dict(WEBHOOK_LABELS[owner["kind"]])
                 meta["annotations"][CREATED_BY_ANNOTATION] = TRAINING_OPERATOR
                 meta["annotations"][ATTESTATION_ANNOTATION] = sign(
-                    key or self.key, namespace, name, owner["metadata"]["uid"], TRAINING_OPERATOR
+                    key or self.key,
+                    namespace,
+                    name,
+                    owner["metadata"]["uid"],
+                    TRAINING_OPERATOR,
+                    int(time.time()),
                 )
         body = {
             "metadata": meta,
@@ -291,6 +298,10 @@ class Cluster:
             },
         }
         created = self.core.create_namespaced_pod(namespace, body)
+        if running:  # what the kubelet reports once the containers start
+            self.core.patch_namespaced_pod_status(
+                created.metadata.name, namespace, {"status": {"phase": "Running"}}
+            )
         return {"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}}
 
     def token(self, namespace: str, pod: str, audience: str = "hyperpod-sdc") -> str:

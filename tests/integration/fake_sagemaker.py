@@ -31,10 +31,14 @@ class FakeSageMaker:
         responses: dict[str, list[dict[str, Any]]] | None = None,
         *,
         on_call: Callable[[str, dict[str, Any]], None] | None = None,
+        lose_answers: dict[str, int] | None = None,
     ) -> None:
         """``responses[operation]`` are answered in turn; once used up, every node asked
         for is reported successful. ``on_call(operation, params)`` runs after a call is
-        recorded and before it is answered (it may block: a call in flight)."""
+        recorded and before it is answered (it may block: a call in flight).
+        ``lose_answers[operation]``: that many calls are acted on and then answered 500, as
+        when SageMaker acted but its answer was lost on the way back."""
+        self.lose_answers = dict(lose_answers or {})
         self.responses = {k: list(v) for k, v in (responses or {}).items()}
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.invalid: list[str] = []
@@ -90,8 +94,13 @@ class FakeSageMaker:
                 for node in answer.get("Successful") or []:
                     if operation in _AFTER:
                         self.status[node] = _AFTER[operation]
+                lost = self.lose_answers.get(operation, 0) > 0
+                if lost:
+                    self.lose_answers[operation] -= 1
             if self.on_call is not None:
                 self.on_call(operation, params)
+            if lost:
+                return 500, {"__type": "InternalFailure", "message": "the answer was lost"}
         checked = ParamValidator().validate(answer, op.output_shape)
         if checked.has_errors():  # a broken script is the test's bug: the test fails on it
             self.invalid.append(f"scripted {operation} response: {checked.generate_report()}")

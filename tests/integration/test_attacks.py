@@ -14,6 +14,7 @@ from typing import Any
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
+from sdc_operator.webhook import ADMISSION_PATH
 
 from .cluster import TRAINING_OPERATOR, Cluster, OperatorProcess, post, wait_for
 from .test_containment import Job, make_job, send, verdict
@@ -143,6 +144,34 @@ def test_pods_made_by_hand_for_a_job_accuse_nobody(
     assert_quiet(op)
 
 
+def test_a_pod_that_never_ran_on_its_node_accuses_nobody(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """A tenant pins a genuine replica of their own job (``spec.nodeName``) to a node that
+    cannot run it (no free GPU: the kubelet refuses it, the pod never starts). Naming it as
+    the suspect must not put that node in quarantine; once it runs there, it may."""
+    body = cluster.job(namespace, "pinned", replicas=4)
+    nodes = [cluster.node() for _ in range(4)]
+    names = ["pinned-master-0", "pinned-worker-0", "pinned-worker-1", "pinned-worker-2"]
+    for i, (pod, node) in enumerate(zip(names, nodes, strict=True)):
+        cluster.pod(namespace, pod, node["metadata"]["name"], body, running=i < 3)
+    job = Job(namespace, "pinned", body, nodes, names)
+    op = start_operator()
+    before = snapshot(cluster, job)
+    for reporter in (0, 2):
+        status, answer, _ = send(cluster, op, job, reporter, verdict(job, reporter, 3))
+        assert (status, answer["error"]) == (422, "unknown_suspect"), answer
+        assert "never ran on node" in answer["message"]
+    assert snapshot(cluster, job) == before
+    assert cluster.incidents(namespace) == []
+    cluster.core.patch_namespaced_pod_status(names[3], namespace, {"status": {"phase": "Running"}})
+    wait_for(
+        "the suspect's phase in the operator's cache",
+        lambda: send(cluster, op, job, 0, verdict(job, 0, 3))[0] == 202,
+    )
+    assert_quiet(op)
+
+
 def test_slow_clients_are_cut_off(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
@@ -180,7 +209,8 @@ def test_slow_clients_are_cut_off(
     body = heartbeat(job)
     answer: dict[str, Any] = {}
 
-    def trickle() -> None:
+    def trickle(head: bytes = head) -> None:
+        answer.clear()
         with socket.create_connection((host, int(port)), timeout=15) as sock:
             sock.sendall(head + f"Content-Length: {len(body)}\r\n\r\n".encode())
             for i in range(0, len(body) - 1, 5):
@@ -203,6 +233,15 @@ def test_slow_clients_are_cut_off(
     # meanwhile the operator answers everyone else at once
     assert post(op.url, heartbeat(job, 2), cluster.token(namespace, job.pods[2]))[0] == 202
     thread.join()
+    assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
+    assert time.monotonic() - started < 6
+
+    # the admission webhook's path takes no token: a trickling review is cut off as fast
+    started = time.monotonic()
+    trickle(
+        f"POST {ADMISSION_PATH} HTTP/1.1\r\nHost: {host}\r\n"
+        "Content-Type: application/json\r\n".encode()
+    )
     assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
     assert time.monotonic() - started < 6
     assert_quiet(op)

@@ -89,8 +89,9 @@ def test_uncorroborated_verdicts_wait_for_evidence(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
     """Non-finite verdicts from every node come from one all-reduce: one piece of evidence
-    however many nodes send it. A replay verdict the agent says is uncorroborated waits too.
-    The same node caught again within the window is contained."""
+    however many nodes send it. A replay verdict the agent says is uncorroborated waits too,
+    and is contained when the same node is caught again within the window; a non-finite
+    one is not (the same rank's NaN again may be the same bad record of its data)."""
     nonfinite, replay = make_job(cluster, namespace, "nf"), make_job(cluster, namespace, "rp")
     op = start_operator()
     before = [snapshot(cluster, j) for j in (nonfinite, replay)]
@@ -104,8 +105,23 @@ def test_uncorroborated_verdicts_wait_for_evidence(
     assert [snapshot(cluster, j)[1:] for j in (nonfinite, replay)] == [b[1:] for b in before]
     assert sorted(incidents_by_phase(cluster, namespace)) == ["AwaitingEvidence"]
     report_twice(cluster, op, nonfinite, check="nonfinite", step=30, last_clean_step=20)
-    wait_for("the repeat quarantined", lambda: quarantined(cluster, nonfinite.node_name(1)))
-    assert not quarantined(cluster, replay.node_name(1))
+    report_twice(cluster, op, replay, corroborated=False, step=30, last_clean_step=20)
+    wait_for("the replay repeat quarantined", lambda: quarantined(cluster, replay.node_name(1)))
+    time.sleep(2)
+    assert not quarantined(cluster, nonfinite.node_name(1))
+    held = [
+        i
+        for i in cluster.incidents(namespace)
+        if i["spec"]["check"] == "nonfinite" and i["status"]["phase"] == "AwaitingEvidence"
+    ]
+    assert len(held) == 2, [i["status"]["phase"] for i in cluster.incidents(namespace)]
+    wait_for(
+        "the Event saying why",
+        lambda: any(
+            e["reason"] == "SDCAwaitingEvidence" and "bad record of its data" in e["message"]
+            for e in cluster.events(namespace)
+        ),
+    )
 
 
 def test_non_deterministic_verdicts_fold_into_one_incident_with_guidance(

@@ -123,6 +123,28 @@ def test_a_conflict_right_after_the_call_does_not_repeat_it(
     assert incident["metadata"]["annotations"]["example.com/poke"] == "after-the-call"
 
 
+def test_a_call_whose_answer_is_lost_is_verified_not_repeated(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """SageMaker replaces the node but its answer never arrives (a 500 here; a read
+    timeout or a reset alike). botocore would resend the call, and a failure recorded as
+    such would be retried: the operator asks DescribeClusterNode instead, and calls once."""
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    fake = FakeSageMaker(lose_answers={REPLACE: 1})
+    try:
+        op = start_operator(**auto_replace(cluster, namespace, fake))
+        contain(cluster, op, job)
+        incident = phase(cluster, namespace, "Remediated")
+        time.sleep(2)  # two resyncs: nothing is called again
+    finally:
+        fake.stop()
+    assert fake.invalid == []
+    assert fake.count(REPLACE) == 1, fake.calls
+    replaced = [a for a in incident["status"]["actions"] if a["action"] == "replace-node"]
+    assert [a["result"] for a in replaced] == ["Succeeded"]
+    assert "not calling again" in replaced[0]["message"]
+
+
 def test_killed_while_the_call_is_in_flight(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

@@ -332,7 +332,7 @@ def test_an_opted_in_jobs_pod_gets_exactly_the_wiring(
     assert injected["kept"] == [] and "pytorch/env/NODE_NAME" in injected["added"]
     # made by a trusted creator (here: the test's admin): attested
     assert annotations[CREATED_BY_ANNOTATION] == "admin"
-    assert annotations[ATTESTATION_ANNOTATION].startswith("v1:")
+    assert annotations[ATTESTATION_ANNOTATION].startswith("v2:")
     assert INJECTION_ANNOTATION not in (twin["metadata"].get("annotations") or {})
     # the CA the pods mount is published in the job's namespace
     ca = wait_for(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import Any
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity
@@ -22,8 +23,11 @@ class Leases:
         self.lease: dict[str, Any] | None = None
         self.version = 0
         self.down = False
+        self.hung = False
 
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any:
+        if self.hung:
+            await asyncio.Event().wait()  # a connection that never answers
         if self.down:
             raise ApiError(0, "unreachable")
         if self.lease is None:
@@ -135,3 +139,35 @@ def test_silence_is_decided_on_what_either_replica_heard() -> None:
     now[0] += 1000
     went, _ = beats.silent(100.0, {}, lambda _: False)
     assert went == [] and beats.jobs == {}
+
+
+def test_a_leader_whose_renewal_hangs_stops_acting_by_its_renew_deadline() -> None:
+    """A partition leaves the renewal's connection open and silent: the leader must stop
+    acting by its renew deadline (0.7 of the Lease: 2.8 s), before a standby may take over
+    (4 s), not when the call times out (30 s)."""
+    store, log = Leases(), []
+    a = LeaderElector(
+        store,  # type: ignore[arg-type]
+        "hyperpod-sdc",
+        "leader",
+        "a",
+        4.0,
+        on_start=lambda: log.append("a leads"),
+        on_stop=lambda: log.append("a follows"),
+    )
+
+    async def hang() -> float:
+        await a.step()
+        assert a.is_leader
+        store.hung = True
+        started = time.monotonic()
+        task = asyncio.ensure_future(a.run())
+        while a.is_leader and time.monotonic() - started < 10:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return time.monotonic() - started
+
+    took = asyncio.run(hang())
+    assert log == ["a leads", "a follows"]
+    assert took < 4.0, f"acted {took:.1f} s without renewing a 4 s Lease"

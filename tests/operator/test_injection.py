@@ -7,6 +7,7 @@ import asyncio
 import base64
 import copy
 import json
+import time
 from typing import Any
 
 import pytest
@@ -39,6 +40,13 @@ KUBEFLOW_LABELS = {
     "training.kubeflow.org/operator-name": "pytorchjob-controller",
     "training.kubeflow.org/job-name": "llama",
 }
+
+
+def stored(made: dict[str, Any]) -> dict[str, Any]:
+    """``made`` as the API server stores it, its creation time set."""
+    out = copy.deepcopy(made)
+    out["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return out
 
 
 def pod(**containers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,7 +229,7 @@ def test_attestation_for_the_trusted_creator_only() -> None:
     made = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)
     annotations = made["metadata"]["annotations"]
     assert annotations[CREATED_BY_ANNOTATION] == OPERATOR
-    assert verify_pod(KEY, made, {OPERATOR}) == (
+    assert verify_pod(KEY, stored(made), {OPERATOR}) == (
         True,
         f"pod ml/llama-worker-0 was created by {OPERATOR}",
     )
@@ -384,7 +392,7 @@ def test_reviews_wire_only_opted_in_admitted_jobs() -> None:
     assert response["allowed"] is True and response["uid"] == "req-1"
     assert outcome == "injected" and patched is not None
     assert INJECTION_ANNOTATION in patched["metadata"]["annotations"]
-    assert verify_pod(KEY, patched, {OPERATOR})[0]
+    assert verify_pod(KEY, stored(patched), {OPERATOR})[0]
     off = {"metadata": {"uid": JOB_UID, "annotations": {"hyperpod-sdc.dev/enabled": "false"}}}
     replaced = {"metadata": {**ENABLED_JOB["metadata"], "uid": "a-new-job-of-the-same-name"}}
     for lookups in (
@@ -415,3 +423,34 @@ def test_reviews_of_other_things_are_allowed_unchanged() -> None:
     _, outcome, patched = answer(hook, review(changed, operation="UPDATE", oldObject=made))
     assert patched is not None and outcome == "untouched"
     assert patched["metadata"]["annotations"] == made["metadata"]["annotations"]
+
+
+class FailingLookups(FakeLookups):
+    def __init__(self, how: str) -> None:
+        super().__init__(ENABLED_JOB)
+        self.how = how
+
+    async def job(self, namespace: str, owner: dict[str, Any]) -> dict[str, Any] | None:
+        if self.how == "slow":
+            await asyncio.sleep(5)
+        raise RuntimeError("the API server is away")
+
+
+@pytest.mark.parametrize("how", ["slow", "failing"])
+def test_a_failed_lookup_still_strips_a_copied_attestation(how: str) -> None:
+    """Wiring needs lookups; the attestation does not. A hand-made pod carrying a copied
+    attestation must lose it even when the lookups time out or fail (the pod is allowed,
+    unwired, under either failure policy)."""
+    copied = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)["metadata"]["annotations"]
+    forged = copy.deepcopy(pod())
+    forged["metadata"]["annotations"] = dict(copied)
+    req = {**review(forged), "userInfo": {"username": "alice"}}
+    response, outcome = asyncio.run(webhook(FailingLookups(how)).review(req, budget=0.2))
+    assert response["allowed"] is True and outcome == "error"
+    patched = apply_patch(forged, json.loads(base64.b64decode(response["patch"])))
+    assert ATTESTATION_ANNOTATION not in patched["metadata"].get("annotations", {})
+    assert INJECTION_ANNOTATION not in patched["metadata"].get("annotations", {})
+    # and the trusted creator's pod keeps its fresh attestation though it is not wired
+    response, outcome = asyncio.run(webhook(FailingLookups(how)).review(review(pod()), 0.2))
+    patched = apply_patch(pod(), json.loads(base64.b64decode(response["patch"])))
+    assert outcome == "error" and verify_pod(KEY, stored(patched), {OPERATOR})[0]

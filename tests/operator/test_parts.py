@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,26 @@ def test_instance_id_lookup_failure_is_reported_not_raised() -> None:
             InstanceResolver(lambda: sm, cluster_name="ml-cluster").instance_id(node("ip-1"))
         )
     assert found is None and "no cluster ml-cluster" in why
+
+
+def test_a_remembered_rejection_keeps_no_request_alive() -> None:
+    """Every repeat of one rejected token raises a fresh refusal: re-raising the cached one
+    would chain each request's frames (its body among their locals) onto one traceback that
+    the cache keeps for ``negative_seconds`` (2,000 repeats of a 64 KiB body held 132 MB)."""
+    reviewer = TokenReviewer(Reviews({"authenticated": False}), "hyperpod-sdc", cache_seconds=30)
+    t = jwt()
+
+    async def request(body: bytes) -> Refusal:
+        try:
+            await reviewer.authenticate(t)
+        except Refusal as refusal:
+            return refusal
+        raise AssertionError("the token was accepted")
+
+    async def many() -> list[Refusal]:
+        return [await request(bytes(1024)) for _ in range(50)]
+
+    refusals = asyncio.run(many())
+    assert len({id(r) for r in refusals}) == len(refusals)
+    depths = {len(traceback.extract_tb(r.__traceback__)) for r in refusals[1:]}
+    assert len(depths) == 1, depths  # a traceback that does not grow with every repeat

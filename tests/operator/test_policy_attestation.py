@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import datetime
+import time
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from sdc_operator.attestation import (
     ATTESTATION_ANNOTATION,
     CREATED_BY_ANNOTATION,
+    WINDOW_SECONDS,
     attestation_for,
     sign,
     verify_pod,
@@ -74,11 +77,21 @@ def test_selector_expressions(
     assert selector_matches({"matchExpressions": [expression]}, labels) is matches
 
 
+def _iso(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+
+
+NOW = _iso(time.time())
+
+
 def pod(**meta: Any) -> dict[str, Any]:
     base = {
         "namespace": "ml",
         "name": "train-worker-0",
         "ownerReferences": [{"uid": "job-uid", "controller": True}],
+        "creationTimestamp": NOW,  # the API server's, moments after the webhook signed
     }
     return {"metadata": {**base, **meta}}
 
@@ -108,6 +121,9 @@ def test_an_attested_pod_verifies() -> None:
         "other owner",
         "other key",
         "claims a trusted creator",
+        "copied to a pod made later under the same name",
+        "no creation time",
+        "the previous format",
     ],
 )
 def test_forged_attestations_fail(forgery: str) -> None:
@@ -128,6 +144,13 @@ def test_forged_attestations_fail(forgery: str) -> None:
         # alice's own valid attestation, relabelled as the operator's
         p = attested(pod(), "alice")
         p["metadata"]["annotations"][CREATED_BY_ANNOTATION] = OPERATOR
+    elif forgery == "copied to a pod made later under the same name":
+        p["metadata"]["creationTimestamp"] = _iso(time.time() + WINDOW_SECONDS + 5)
+    elif forgery == "no creation time":
+        del p["metadata"]["creationTimestamp"]
+    elif forgery == "the previous format":
+        value = p["metadata"]["annotations"][ATTESTATION_ANNOTATION]
+        p["metadata"]["annotations"][ATTESTATION_ANNOTATION] = "v1:" + value.rsplit(":", 1)[1]
     genuine, why = verify_pod(key, p, trusted)
     assert not genuine
     assert why
@@ -142,4 +165,4 @@ def test_generate_name_pods_verify_under_their_final_name() -> None:
 
 def test_a_short_key_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 16 bytes"):
-        sign(b"short", "ml", "p", "u", OPERATOR)
+        sign(b"short", "ml", "p", "u", OPERATOR, 0)
