@@ -106,6 +106,10 @@ class Actions:
         self._quarantine = asyncio.Lock()
         self._reserved: dict[str, set[str]] = {}
         """Nodes an incident is about to quarantine, counted against the caps."""
+        self._remediation = asyncio.Lock()
+        self._requested: dict[tuple[str, str, str], str] = {}
+        """(action, node, boot id) -> the incident whose request SageMaker accepted, for
+        the time until that incident's status shows it."""
 
     # -- the three entry points ------------------------------------------------------------
 
@@ -558,7 +562,20 @@ class Actions:
                     f"cannot {kind} {node_name} through SageMaker: {why or 'no client'}"
                 )
             assert cluster is not None and instance is not None
-            ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+            boot = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID", "")
+            # Two incidents of one node (a job caught twice before it stopped) ask for the
+            # same replacement: one call. Checked and called under one lock.
+            async with self._remediation:
+                other = self._requested_elsewhere(incident, action, boot)
+                if other is not None:
+                    message = (
+                        f"the {kind} of {node_name} ({instance}) was requested already by "
+                        f"incident {other}; not calling again"
+                    )
+                    return self._remediated(kind, message)
+                ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+                if ok:
+                    self._requested[(action.action, node_name, boot)] = _ref(incident)
             if ok is None:
                 return Outcome(UNKNOWN, message)
             if not ok:
@@ -566,6 +583,28 @@ class Actions:
         done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
         await self._emit(node, f"SDCNode{done}", message, True)
         return self._remediated(kind, message)
+
+    def _requested_elsewhere(
+        self, incident: dict[str, Any], action: Action, boot: str
+    ) -> str | None:
+        """Another incident whose same request for this node (this boot of it: a node
+        rebooted since may need another) SageMaker accepted, or ``None``."""
+        ref = _ref(incident)
+        found = self._requested.get((action.action, action.target, boot))
+        if found is not None and found != ref:
+            return found
+        for other in self.caches.incidents.values():
+            if _ref(other) == ref:
+                continue
+            for entry in (other.get("status") or {}).get("actions") or []:
+                if (entry.get("action"), entry.get("target")) != (action.action, action.target):
+                    continue
+                same_boot = str((entry.get("intent") or {}).get("bootID") or "") == boot
+                if entry.get("result") == "Succeeded" and (
+                    action.action != "reboot-node" or same_boot
+                ):
+                    return _ref(other)
+        return None
 
     # -- confirmation ----------------------------------------------------------------------
 
