@@ -2,7 +2,8 @@
 # The main demo, end to end on one machine: a real Kubernetes API server, the operator and
 # a 6-rank DDP job (CPU, gloo) that opts in with one annotation (the operator's webhook wires
 # its pods), with a corrupting GPU on one node: detected, localized,
-# contained, resumed from a clean checkpoint, finished with the weights of a clean run.
+# contained, resumed from a clean checkpoint, finished with the weights of a clean run; the
+# node confirmed by the operator's confirmation pod and replaced (auto-replace-confirmed).
 # Extra arguments go to scripts/e2e_demo.py (--keep DIR keeps the logs).
 #
 # The agent alone, without Kubernetes: .venv/bin/python -m sdc_agent.demo

@@ -21,10 +21,21 @@ requested with the volume's audience) and its ConfigMap volumes (the CA), writte
 directory per pod; a path under a mount in the env points into that directory instead. It
 stops the workers when the job is suspended and starts new pods when it is resumed. The
 faulty GPU is played by the agent's fault injection, given to the processes on one node only:
-the fault stays with the node, as a broken GPU would.
+the fault stays with the node, as a broken GPU would. The checkpoint volume is a
+``hostPath`` every pod mounts in place (a shared volume). The runner is also the scheduler
+and kubelet of the operator's confirmation pod: it binds it to the node its affinity names
+and runs its command (``python -m sdc_agent.confirm BUNDLE``) as a process there, with the
+broken GPU still broken on the faulty node, and writes its exit code and termination
+message back. SageMaker is the loopback fake of the integration tests
+(tests/integration/fake_sagemaker.py), which checks each call against botocore's model and
+counts them.
 
 Two scenarios: a clean run (no incident, no node touched; its final weights are the
-reference), then the same job with the fault. Exit status 0 only if everything happened.
+reference), then the same job with the fault, under the remediation policy
+``auto-replace-confirmed``: detected, contained, resumed, confirmed on the faulty node
+(``Confirmed=True`` naming its GPU) and replaced (one ``BatchReplaceClusterNodes``); the
+same bundle recomputed on a healthy node (a second confirmation pod the demo makes by hand)
+is not confirmed. Exit status 0 only if everything happened.
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ import yaml
 from kubernetes import client, config
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.integration.fake_sagemaker import FakeSageMaker  # noqa: E402
+
 PYTHON = sys.executable
 NAMESPACE = "ml"
 OPERATOR_NAMESPACE = "hyperpod-sdc"
@@ -57,6 +71,10 @@ INTERVAL = 10  # replay audit, weight check and checkpoints, every INTERVAL step
 FAULT_STEP = 23
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
 TRAINING_OPERATOR = ("kubeflow", "training-operator")  # its namespace and ServiceAccount
+CLUSTER = "demo-cluster"  # the HyperPod cluster (the nodes' sagemaker.amazonaws.com/cluster-name)
+POLICY = "auto-replace-confirmed"
+CONFIRMATION_LABEL = "hyperpod-sdc.dev/confirmation"
+SECOND_OPINION_LABEL = "demo.hyperpod-sdc.dev/second-opinion"
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
     "HYPERPOD_SDC_WEIGHTS_EVERY": str(INTERVAL),
@@ -202,7 +220,13 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
 
 
 class OperatorProcess:
-    def __init__(self, server: ApiServer, log: Path, tls: tuple[Path, Path, Path]) -> None:
+    def __init__(
+        self,
+        server: ApiServer,
+        log: Path,
+        tls: tuple[Path, Path, Path],
+        extra_env: dict[str, str],
+    ) -> None:
         port = free_port()
         self.url = f"https://127.0.0.1:{port}"
         ca, cert, key = tls
@@ -221,6 +245,9 @@ class OperatorProcess:
                 *TRAINING_OPERATOR
             ),
             "HYPERPOD_SDC_JOB_SWEEP_SECONDS": "2",
+            "HYPERPOD_SDC_REMEDIATION_POLICY": POLICY,
+            "AWS_DEFAULT_REGION": "us-west-2",
+            **extra_env,
         }
         self._log = open(log, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
@@ -273,7 +300,12 @@ class Kubelet:
         spec, meta = pod["spec"], pod["metadata"]
         container = spec["containers"][0]
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
-        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts") or []}
+        # A hostPath is this machine's own directory, where every pod mounts it.
+        mounts = {
+            m["mountPath"]: m["name"]
+            for m in container.get("volumeMounts") or []
+            if "hostPath" not in volumes[m["name"]]
+        }
         for path, name in mounts.items():
             target = root / path.lstrip("/")
             target.mkdir(parents=True, exist_ok=True)
@@ -353,6 +385,11 @@ class Runner:
     timeline: list[tuple[float, str, str]] = field(default_factory=list)
     stopped_for_suspend: int = 0
     running_env: dict[str, str] = field(default_factory=dict)
+    confirmations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Confirmation pods seen, by name: node, process, exit code, termination message."""
+    second_opinion_on: str | None = None
+    """A healthy node on which to recompute the same bundle, by a copy of the operator's
+    confirmation pod made by hand (at the same time, to keep the demo short)."""
 
     def note(self, kind: str, what: str) -> None:
         at = time.monotonic() - self.started
@@ -483,6 +520,120 @@ class Runner:
             time.sleep(0.1)
         raise RuntimeError("pods were not deleted")
 
+    def serve_confirmations(self) -> None:
+        """The scheduler and kubelet for confirmation pods: bind each to the node its
+        required node affinity names (it tolerates the quarantine taint and the cordon),
+        run its command there as a process (the faulty node's broken GPU still broken),
+        and write its end back as the kubelet would."""
+        core = self.server.core
+        for label in (CONFIRMATION_LABEL, SECOND_OPINION_LABEL):
+            listed = core.list_namespaced_pod(
+                NAMESPACE, label_selector=f"{label}=true", _preload_content=False
+            )
+            for pod in json.loads(listed.data)["items"]:
+                name = pod["metadata"]["name"]
+                if name not in self.confirmations:
+                    self.start_confirmation(pod)
+        for name, seen in self.confirmations.items():
+            proc = seen["proc"]
+            if seen.get("exit_code") is not None or proc.poll() is None:
+                continue
+            log = seen["termination_log"]
+            message = log.read_text() if log.exists() else ""
+            seen["exit_code"], seen["message"] = proc.returncode, message
+            terminated = {
+                "exitCode": proc.returncode,
+                "reason": "Completed" if proc.returncode == 0 else "Error",
+                "message": message,
+                "startedAt": seen["started_at"],
+                "finishedAt": now_iso(),
+            }
+            core.patch_namespaced_pod_status(
+                name,
+                NAMESPACE,
+                {
+                    "status": {
+                        "phase": "Succeeded" if proc.returncode == 0 else "Failed",
+                        "containerStatuses": [container_status({"terminated": terminated})],
+                    }
+                },
+            )
+            outcome = (json.loads(message) if message.startswith("{") else {}).get("outcome")
+            self.note(
+                "kubelet",
+                f"confirmation pod {name} on {seen['node']} exited {proc.returncode} ({outcome})",
+            )
+
+    def start_confirmation(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        affinity = pod["spec"]["affinity"]["nodeAffinity"]
+        terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        node = terms[0]["matchFields"][0]["values"][0]
+        self.server.core.create_namespaced_pod_binding(
+            name,
+            NAMESPACE,
+            {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": name},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+            },
+            _preload_content=False,
+        )
+        bound = json.loads(
+            self.server.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data
+        )
+        root = self.work / "pods" / name
+        root.mkdir(parents=True, exist_ok=True)
+        env, _ = self.kubelet.materialize(bound, root)
+        (container,) = bound["spec"]["containers"]
+        log = root / "termination-log"
+        args = [
+            str(log) if a == container["terminationMessagePath"] else a for a in container["args"]
+        ]
+        assert container["command"] == ["python", "-m", "sdc_agent.confirm"], container["command"]
+        worker_env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": os.environ.get("HOME", str(self.work)),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+        if node == self.faulty_node:  # the broken GPU is still broken
+            worker_env["HYPERPOD_SDC_FAULTS"] = fault_spec(FAULTY_NODE * RANKS_PER_POD + 1)
+        started = now_iso()
+        self.server.core.patch_namespaced_pod_status(
+            name,
+            NAMESPACE,
+            {
+                "status": {
+                    "phase": "Running",
+                    "startTime": started,
+                    "containerStatuses": [container_status({"running": {"startedAt": started}})],
+                }
+            },
+        )
+        output = open(self.work / f"{name}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "sdc_agent.confirm", *args],
+            env=worker_env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            start_new_session=True,
+        )
+        output.close()
+        self.confirmations[name] = {
+            "node": node,
+            "proc": proc,
+            "termination_log": log,
+            "started_at": started,
+            "exit_code": None,
+        }
+        self.note("kubelet", f"confirmation pod {name} bound to {node}: {' '.join(args[:1])}")
+        labels = pod["metadata"].get("labels") or {}
+        if self.second_opinion_on and labels.get(CONFIRMATION_LABEL) == "true":
+            second_opinion(self.server, self, pod, self.second_opinion_on)
+
     def run(self, timeout: float, watch: Any) -> bool:
         """Drive the job to its end; ``watch`` is called every tick. True if it finished.
 
@@ -493,6 +644,7 @@ class Runner:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             watch()
+            self.serve_confirmations()
             job = self.server.job(self.job)
             suspended = (job["spec"].get("runPolicy") or {}).get("suspend") is True
             current = template_env(job)
@@ -517,6 +669,21 @@ class Runner:
         return False
 
 
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def container_status(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": "confirm",
+        "ready": False,
+        "restartCount": 0,
+        "image": "local/train",
+        "imageID": "",
+        "state": state,
+    }
+
+
 def template_env(job: dict[str, Any]) -> dict[str, str]:
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     return {e["name"]: e["value"] for e in template["containers"][0].get("env", [])}
@@ -526,7 +693,8 @@ def template_env(job: dict[str, Any]) -> dict[str, str]:
 
 
 def admit_namespace(server: ApiServer) -> None:
-    """The cluster admin's step: an SDCPolicy admitting the demo's namespace."""
+    """The cluster admin's step: an SDCPolicy admitting the demo's namespace, replacing
+    nodes a confirmation run reproduced the fault on."""
     server.custom.create_cluster_custom_object(
         "hyperpod-sdc.dev",
         "v1alpha1",
@@ -535,7 +703,7 @@ def admit_namespace(server: ApiServer) -> None:
             "apiVersion": "hyperpod-sdc.dev/v1alpha1",
             "kind": "SDCPolicy",
             "metadata": {"name": "demo"},
-            "spec": {"namespaces": [NAMESPACE]},
+            "spec": {"namespaces": [NAMESPACE], "remediationPolicy": POLICY},
         },
     )
 
@@ -606,13 +774,26 @@ def register_webhook(server: ApiServer, url: str, ca: Path) -> None:
     time.sleep(1.0)  # the API server takes up a new webhook configuration within a second
 
 
-def create_job(server: ApiServer, name: str) -> None:
+def create_job(server: ApiServer, name: str, checkpoints: Path) -> None:
     container = {
         "name": "pytorch",
         "image": "local/train",
         "env": [{"name": k, "value": v} for k, v in AGENT_ENV.items()],
+        # checkpoints, and evidence bundles next to them, on a volume every node mounts
+        "volumeMounts": [{"name": "checkpoints", "mountPath": str(checkpoints)}],
     }
-    template = {"spec": {"containers": [container], "serviceAccountName": "worker"}}
+    template = {
+        "spec": {
+            "containers": [container],
+            "serviceAccountName": "worker",
+            "volumes": [
+                {
+                    "name": "checkpoints",
+                    "hostPath": {"path": str(checkpoints), "type": "DirectoryOrCreate"},
+                }
+            ],
+        }
+    }
     server.custom.create_namespaced_custom_object(
         "kubeflow.org",
         "v1",
@@ -671,6 +852,14 @@ def milestones(incident: dict[str, Any]) -> list[tuple[str, str]]:
         )
     if resumed.get("status") == "True":
         reached.append(("resumed", resumed["message"]))
+    confirmed = conditions.get("Confirmed", {})
+    if confirmed.get("reason") == "Running":
+        reached.append(("confirming", confirmed["message"]))
+    elif confirmed:
+        reached.append(("confirmed", f"Confirmed={confirmed['status']}: {confirmed['message']}"))
+    remediated = conditions.get("Remediated", {})
+    if remediated.get("status") == "True":
+        reached.append(("remediated", remediated["message"]))
     return reached
 
 
@@ -693,8 +882,10 @@ def scenario(
     work: Path,
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
-    create_job(server, name)
+    create_job(server, name, work / "ckpt")
     runner = Runner(server, trainer, Kubelet(server), name, nodes, faulty, work)
+    if faulty is not None:
+        runner.second_opinion_on = nodes[0]
     seen: set[tuple[str, str]] = set()
 
     def watch() -> None:
@@ -714,6 +905,10 @@ def scenario(
             "finished",
             f"step {STEPS} reached; final weights sha256 {result.get('sha256', '?')[:16]}...",
         )
+    opinion: dict[str, Any] = {}
+    if faulty is not None:
+        settle(server, runner, name, watch)
+        opinion = second_opinion_result(runner, watch)
     return {
         "job": name,
         "finished": finished,
@@ -726,11 +921,74 @@ def scenario(
         "nodes_before": before,
         "nodes_after": {n: node_state(server, n) for n in nodes},
         "job_object": server.job(name),
+        "confirmation_pods": {
+            k: {x: v[x] for x in ("node", "exit_code", "message")}
+            for k, v in runner.confirmations.items()
+        },
+        "second_opinion": opinion,
     }
 
 
+def settle(server: ApiServer, runner: Runner, job: str, watch: Any, timeout: float = 90) -> None:
+    """Run the confirmation pod to its end, until the incident records it (and, where it
+    is confirmed, the policy's replacement)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        watch()
+        runner.serve_confirmations()
+        incidents = server.incidents(job)
+        status = (incidents[0].get("status") or {}) if incidents else {}
+        outcome = (status.get("confirmation") or {}).get("outcome")
+        if outcome in ("not-confirmed", "unknown") or (
+            outcome == "confirmed" and status.get("phase") == "Remediated"
+        ):
+            return
+        time.sleep(0.1)
+    runner.note("runner", f"the confirmation did not settle within {timeout:.0f} s")
+
+
+def second_opinion(
+    server: ApiServer, runner: Runner, original: dict[str, Any], healthy: str
+) -> None:
+    """The same bundle on a healthy node: a copy of the operator's confirmation pod,
+    pinned to ``healthy``, made by hand (no incident accuses that node, so the operator
+    would not make one)."""
+    name = "second-opinion-" + original["metadata"]["name"][:40]
+    spec = json.loads(json.dumps(original["spec"]))
+    spec.pop("nodeName", None)
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [healthy]}]}
+    required = {"nodeSelectorTerms": [term]}
+    spec["affinity"] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+    }
+    server.core.create_namespaced_pod(
+        NAMESPACE,
+        {"metadata": {"name": name, "labels": {SECOND_OPINION_LABEL: "true"}}, "spec": spec},
+    )
+    runner.note("demo", f"the same bundle on healthy node {healthy}: pod {name} (made by hand)")
+
+
+def second_opinion_result(runner: Runner, watch: Any, timeout: float = 90) -> dict[str, Any]:
+    """The exit code and summary of the second opinion, once it ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        watch()
+        runner.serve_confirmations()
+        for name, seen in runner.confirmations.items():
+            if name.startswith("second-opinion-") and seen.get("exit_code") is not None:
+                message = seen.get("message") or ""
+                summary = json.loads(message) if message.startswith("{") else {}
+                return {"node": seen["node"], "exit_code": seen["exit_code"], "summary": summary}
+        time.sleep(0.1)
+    return {"error": f"no result within {timeout:.0f} s"}
+
+
 def check(
-    clean: dict[str, Any], faulty: dict[str, Any], nodes: list[str], instances: dict[str, str]
+    clean: dict[str, Any],
+    faulty: dict[str, Any],
+    nodes: list[str],
+    instances: dict[str, str],
+    calls: list[tuple[str, dict[str, Any]]],
 ) -> list[str]:
     """Everything the demo promises; returns what did not happen."""
     problems = []
@@ -775,6 +1033,51 @@ def check(
         problems.append("the faulty run did not finish")
     if faulty["result"].get("sha256") != clean["result"].get("sha256"):
         problems.append("the final weights differ from the clean run's")
+    return problems + check_confirmation(clean, faulty, bad, instances, calls)
+
+
+def check_confirmation(
+    clean: dict[str, Any],
+    faulty: dict[str, Any],
+    bad: str,
+    instances: dict[str, str],
+    calls: list[tuple[str, dict[str, Any]]],
+) -> list[str]:
+    """The confirmation on the faulty node (True, naming its GPU), the same bundle on a
+    healthy node (not confirmed), and the one replacement the policy asked for."""
+    problems = []
+    if clean["confirmation_pods"]:
+        problems.append("the clean run made a confirmation pod")
+    incident = faulty["incidents"][0]
+    spec, status = incident["spec"], incident.get("status") or {}
+    if not spec.get("bundle"):
+        problems.append("the verdict named no evidence bundle")
+    pods = faulty["confirmation_pods"]
+    ours = {k: v for k, v in pods.items() if not k.startswith("second-opinion-")}
+    if len(ours) != 1 or next(iter(ours.values()))["node"] != bad:
+        problems.append(f"expected one confirmation pod, on {bad}: {ours}")
+    confirmed: dict[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c["type"] == "Confirmed"), {}
+    )
+    gpus = (status.get("confirmation") or {}).get("gpus") or []
+    broken = [g for g in gpus if g.get("result") == "reproduces"]
+    if (confirmed.get("status"), confirmed.get("reason")) != ("True", "Reproduced"):
+        problems.append(f"not Confirmed=True on {bad}: {confirmed}")
+    elif "local rank 1" not in confirmed.get("message", "") or bad not in confirmed["message"]:
+        problems.append(f"Confirmed=True does not name GPU 1 of {bad}: {confirmed['message']}")
+    if [g.get("localRank") for g in broken] != [1]:
+        problems.append(f"status.confirmation does not name local rank 1 as reproducing: {gpus}")
+    second = faulty["second_opinion"]
+    if (
+        second.get("exit_code") != 0
+        or (second.get("summary") or {}).get("outcome") != "not-confirmed"
+    ):
+        problems.append(f"the same bundle on a healthy node was not 'not-confirmed': {second}")
+    replaced = [("BatchReplaceClusterNodes", {"ClusterName": CLUSTER, "NodeIds": [instances[bad]]})]
+    if calls != replaced:
+        problems.append(f"expected exactly {replaced} from SageMaker, got {calls}")
+    if status.get("phase") != "Remediated":
+        problems.append(f"the incident is {status.get('phase')}, not Remediated")
     return problems
 
 
@@ -797,6 +1100,7 @@ def main() -> int:
     base.mkdir(parents=True, exist_ok=True)
     server = ApiServer(base / "apiserver")
     op: OperatorProcess | None = None
+    sagemaker = FakeSageMaker()
     try:
         server.core.create_namespace({"metadata": {"name": NAMESPACE}})
         server.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
@@ -807,7 +1111,10 @@ def main() -> int:
             name = f"hyperpod-{instance}"
             server.core.create_node(
                 {
-                    "metadata": {"name": name},
+                    "metadata": {
+                        "name": name,
+                        "labels": {"sagemaker.amazonaws.com/cluster-name": CLUSTER},
+                    },
                     "spec": {"providerID": f"aws:///us-west-2a/{instance}"},
                 }
             )
@@ -831,12 +1138,13 @@ def main() -> int:
         admit_namespace(server)
         trainer = training_operator(server, base)
         tls = make_certificates(base / "tls")
-        op = OperatorProcess(server, base / "operator.log", tls)
+        op = OperatorProcess(server, base / "operator.log", tls, sagemaker.env())
         register_webhook(server, op.url, tls[0])
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
         say(
             f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '
-            f"wires their pods, SDCPolicy admits namespace {NAMESPACE}.\n"
+            f"wires their pods, SDCPolicy admits namespace {NAMESPACE} with remediation "
+            f"policy {POLICY}.\n"
         )
         say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks, {STEPS} steps")
         clean = scenario(server, trainer, nodes, "clean-run", None, base / "clean")
@@ -848,10 +1156,21 @@ def main() -> int:
         say("\n$ kubectl get sdcincidents -n ml")
         table = server.kubectl("get", "sdcincidents", "-n", NAMESPACE)
         say(table)
-        problems = check(clean, faulty, nodes, instances)
+        second = faulty["second_opinion"]
+        say(
+            f"Same bundle on healthy node {second.get('node')}: exit {second.get('exit_code')}, "
+            f"{(second.get('summary') or {}).get('outcome')} "
+            f"({(second.get('summary') or {}).get('reason', second.get('error', ''))})"
+        )
+        calls = list(sagemaker.calls)
+        say(f"SageMaker calls: {calls}")
+        problems = check(clean, faulty, nodes, instances, calls)
+        if sagemaker.invalid:
+            problems.append(f"SageMaker refused requests: {sagemaker.invalid}")
     finally:
         if op is not None:
             op.stop()
+        sagemaker.stop()
         server.stop()
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -866,6 +1185,7 @@ def main() -> int:
                     "instances": instances,
                     "faulty_node": nodes[FAULTY_NODE],
                     "table": table,
+                    "sagemaker_calls": calls,
                     "clean": clean,
                     "faulty": faulty,
                 },

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import incidents, jobs, nodes
+from . import confirmation, incidents, jobs, nodes
 from .caches import Caches
 from .errors import ApiError
 from .incidents import Action, Rules, now_iso, parse_time
@@ -106,11 +106,21 @@ class Actions:
         self._quarantine = asyncio.Lock()
         self._reserved: dict[str, set[str]] = {}
         """Nodes an incident is about to quarantine, counted against the caps."""
+        self._remediation = asyncio.Lock()
+        self._requested: dict[tuple[str, str, str], str] = {}
+        """(action, node, boot id) -> the incident whose request SageMaker accepted, for
+        the time until that incident's status shows it."""
 
     # -- the three entry points ------------------------------------------------------------
 
     async def intent(self, incident: dict[str, Any], action: Action) -> dict[str, Any]:
         """What identifies ``action``'s effect later, recorded before it is taken."""
+        if action.action == "confirm-node":
+            return {
+                "node": action.target,
+                "pod": confirmation.pod_name(incident, action.target),
+                "bundle": confirmation.bundle_of(incident) or "",
+            }
         if action.action.endswith("-node"):
             node = self.caches.nodes.get(None, action.target) or {}
             meta = node.get("metadata") or {}
@@ -144,6 +154,8 @@ class Actions:
             return await self._remediate(incident, action)
         if action.action == "release-node":
             return await self._release(incident, action.target)
+        if action.action == "confirm-node":
+            return await self._start_confirmation(incident, action.target)
         raise ValueError(f"unknown action {action.action!r}")
 
     async def verify(
@@ -155,7 +167,8 @@ class Actions:
         while that cannot be told yet (retry later)."""
         if rules.dry_run or action.action not in ("reboot-node", "replace-node"):
             # Suspend, quarantine, resume and release look at the object first and do
-            # nothing where it is done already ("already" in the message).
+            # nothing where it is done already ("already" in the message); a confirmation
+            # pod's name is the incident's, so creating it again meets the first (409).
             return await self.take(incident, action, rules)
         if self.settings.remediation_method == "label":
             return await self.take(incident, action, rules)
@@ -549,7 +562,20 @@ class Actions:
                     f"cannot {kind} {node_name} through SageMaker: {why or 'no client'}"
                 )
             assert cluster is not None and instance is not None
-            ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+            boot = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID", "")
+            # Two incidents of one node (a job caught twice before it stopped) ask for the
+            # same replacement: one call. Checked and called under one lock.
+            async with self._remediation:
+                other = self._requested_elsewhere(incident, action, boot)
+                if other is not None:
+                    message = (
+                        f"the {kind} of {node_name} ({instance}) was requested already by "
+                        f"incident {other}; not calling again"
+                    )
+                    return self._remediated(kind, message)
+                ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+                if ok:
+                    self._requested[(action.action, node_name, boot)] = _ref(incident)
             if ok is None:
                 return Outcome(UNKNOWN, message)
             if not ok:
@@ -557,3 +583,86 @@ class Actions:
         done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
         await self._emit(node, f"SDCNode{done}", message, True)
         return self._remediated(kind, message)
+
+    def _requested_elsewhere(
+        self, incident: dict[str, Any], action: Action, boot: str
+    ) -> str | None:
+        """Another incident whose same request for this node (this boot of it: a node
+        rebooted since may need another) SageMaker accepted, or ``None``."""
+        ref = _ref(incident)
+        found = self._requested.get((action.action, action.target, boot))
+        if found is not None and found != ref:
+            return found
+        for other in self.caches.incidents.values():
+            if _ref(other) == ref:
+                continue
+            for entry in (other.get("status") or {}).get("actions") or []:
+                if (entry.get("action"), entry.get("target")) != (action.action, action.target):
+                    continue
+                same_boot = str((entry.get("intent") or {}).get("bootID") or "") == boot
+                if entry.get("result") == "Succeeded" and (
+                    action.action != "reboot-node" or same_boot
+                ):
+                    return _ref(other)
+        return None
+
+    # -- confirmation ----------------------------------------------------------------------
+
+    @staticmethod
+    def _not_confirmable(reason: str, message: str, node: str, bundle: str | None) -> Outcome:
+        """The confirmation cannot run: said on the incident (``Confirmed=Unknown``), and
+        nothing else changes."""
+        found = {"node": node, **({"bundle": bundle} if bundle else {})}
+        record, condition = confirmation.record("unknown", reason, message, found, now_iso())
+        return Outcome("Skipped", message, condition, {"confirmation": record}, reason=reason)
+
+    async def _start_confirmation(self, incident: dict[str, Any], node: str) -> Outcome:
+        """Create the confirmation pod on ``node`` (or find the one created before a
+        restart: its name is the incident's); its result is read from the pod cache."""
+        s = self.settings
+        bundle = confirmation.bundle_of(incident)
+        if not bundle:
+            return self._not_confirmable("NoBundle", "the verdict named no bundle", node, None)
+        job, why = await self._job(incident)
+        if job is None:
+            return self._not_confirmable("JobGone", f"cannot confirm: {why}", node, bundle)
+        body, why = confirmation.pod_body(
+            incident,
+            job,
+            node,
+            bundle,
+            repeat=s.confirmation_repeat,
+            deadline_seconds=s.confirmation_deadline_seconds,
+            image=s.confirmation_image,
+        )
+        if body is None:
+            return self._not_confirmable("CannotConfirm", f"cannot confirm: {why}", node, bundle)
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        how = "created"
+        try:
+            pod = await self.kube.create("v1", "pods", namespace, body)
+        except ApiError as exc:
+            if is_conflict(exc):
+                pod = await self.kube.get("v1", "pods", namespace, name)
+                owners = [r.get("uid") for r in pod["metadata"].get("ownerReferences") or []]
+                if incident["metadata"].get("uid") not in owners:
+                    message = f"a pod named {name} exists and is not this incident's"
+                    return self._not_confirmable("NameTaken", message, node, bundle)
+                how = "found (created before a restart or by the other replica)"
+            elif 400 <= exc.status < 500 and exc.status != 429:
+                message = f"cannot create the confirmation pod {name}: {exc}"
+                return self._not_confirmable("CouldNotCreate", message, node, bundle)
+            else:
+                raise  # retried: the action stays Pending and is verified (created again)
+        self.caches.pods.upsert(pod)
+        message = (
+            f"{how} pod {namespace}/{name} on node {node}: python -m sdc_agent.confirm {bundle}"
+        )
+        await self._emit(incident, "SDCConfirmationStarted", message, False)
+        created = str((pod.get("metadata") or {}).get("creationTimestamp") or now_iso())
+        return Outcome(
+            "Succeeded",
+            message,
+            ("Confirmed", "Unknown", "Running", f"confirmation pod {name} on node {node}"),
+            {"confirmation": confirmation.running_record(name, node, bundle, created)},
+        )

@@ -5,7 +5,8 @@ holding only what the operator reads, so memory grows with the cluster by a few 
 bytes per pod and node, not by their full specs (docs/operator.md, "Memory"):
 
 - a pod: name, uid, generate name, creation time, its controlling owner, labels, our
-  annotations (the attestation), node;
+  annotations (the attestation), node; for a confirmation pod also its container's state,
+  its scheduling condition and why it stopped (its result);
 - a node: name, labels, our annotations, providerID, unschedulable, taints, addresses,
   boot id;
 - a job: name, uid, annotations, ``runPolicy.suspend`` and its replica counts;
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from . import jobs
+from . import confirmation, jobs
 from .informer import ChangeHandler, Informer, Projection
 from .kube import INCIDENTS, Kube
 from .names import GROUP, INCIDENT_PLURAL, POLICY_PLURAL
@@ -62,11 +63,36 @@ def project_pod(pod: dict[str, Any]) -> dict[str, Any]:
     if owners:
         kept["ownerReferences"] = owners
     spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    kept_status: dict[str, Any] = {"phase": status.get("phase")}
+    if (kept.get("labels") or {}).get(confirmation.CONFIRMATION_LABEL) == "true":
+        kept_status.update(_confirmation_status(status))
     return {
         "metadata": kept,
         "spec": {k: spec[k] for k in ("nodeName", "serviceAccountName") if spec.get(k)},
-        "status": {"phase": (pod.get("status") or {}).get("phase")},
+        "status": kept_status,
     }
+
+
+def _confirmation_status(status: dict[str, Any]) -> dict[str, Any]:
+    """What a confirmation pod's result is read from (a few kilobytes: one pod per
+    incident): why the pod stopped, whether it was scheduled, its container's state."""
+    out: dict[str, Any] = {k: status[k] for k in ("reason", "message", "startTime") if k in status}
+    scheduled = [
+        {k: c[k] for k in ("type", "status", "reason", "message") if k in c}
+        for c in status.get("conditions") or []
+        if c.get("type") == "PodScheduled"
+    ]
+    if scheduled:
+        out["conditions"] = scheduled
+    containers = [
+        {"name": c.get("name"), "state": dict(c.get("state") or {})}
+        for c in status.get("containerStatuses") or []
+        if c.get("name") == confirmation.CONTAINER
+    ]
+    if containers:
+        out["containerStatuses"] = containers
+    return out
 
 
 def project_node(node: dict[str, Any]) -> dict[str, Any]:
@@ -194,9 +220,10 @@ class Caches:
         namespaces: Sequence[str],
         *,
         on_incident: ChangeHandler | None = None,
+        on_pod: ChangeHandler | None = None,
     ) -> None:
         scope: list[str | None] = list(namespaces) or [None]
-        self.pods = InformerSet(kube, "v1", "pods", scope, project=project_pod)
+        self.pods = InformerSet(kube, "v1", "pods", scope, project=project_pod, on_change=on_pod)
         self.pods.add_index("owner", _owner_uid)
         self.nodes = Informer(kube, "v1", "nodes", project=project_node)
         self.jobs = {

@@ -25,11 +25,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 
-from . import incidents, jobs
+from . import confirmation, incidents, jobs
 from .actions import UNKNOWN, Actions, Outcome
 from .caches import Caches
 from .errors import ApiError
@@ -65,6 +66,11 @@ class _Fold:
     reporter_node: str
     suspects: list[ResolvedSuspect]
     future: asyncio.Future[str]
+
+
+def _key_of(incident: dict[str, Any]) -> Key:
+    meta = incident.get("metadata") or {}
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
 
 
 class IncidentEngine:
@@ -463,6 +469,17 @@ class IncidentEngine:
         if incidents.pending_actions(new, self.rules_for(meta["namespace"])):
             self.schedule(meta["namespace"], meta["name"])
 
+    def on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """A pod changed: where it is a confirmation pod, its incident reads its result
+        (no polling: the pod watch brings its terminated state)."""
+        pod = new or old or {}
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if not self.leader or labels.get(confirmation.CONFIRMATION_LABEL) != "true":
+            return
+        name = labels.get(confirmation.INCIDENT_LABEL)
+        if name:
+            self.schedule(str(pod["metadata"].get("namespace", "")), str(name))
+
     def become_leader(self) -> None:
         self.leader = True
         self.resync()
@@ -520,6 +537,8 @@ class IncidentEngine:
                     if incident is None:
                         return
                     continue
+                if await self._confirmation_result(key, incident, rules):
+                    continue
                 summary = incidents.containment_summary(incident, rules)
                 if summary is None:
                     return
@@ -559,7 +578,102 @@ class IncidentEngine:
             return None
         written = await self._write(key, lambda s: outcome.apply(s, action), self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
+        found = outcome.fields.get("confirmation") or {}
+        if written is not None and found.get("outcome") in confirmation.OUTCOMES:
+            self.metrics.confirmations.labels(found["outcome"]).inc()
+            assert outcome.condition is not None
+            await self._confirmation_said(written, found["outcome"], rules, outcome.condition)
         return written
+
+    # -- confirmation ------------------------------------------------------------------------
+
+    def _judge_confirmation(
+        self, key: Key, incident: dict[str, Any], rules: Rules
+    ) -> tuple[tuple[str, str, str, dict[str, Any]], dict[str, Any] | None] | None:
+        """What to record about the confirmation now, with its pod as the cache has it,
+        or ``None``: nothing (none runs, or it still runs)."""
+        status = incident.get("status") or {}
+        if incidents.needs_bundle_note(incident, rules):
+            node = str(confirmation.confirmation_node(incident))
+            message = (
+                f"nothing to recompute on node {node}: the verdict named no evidence bundle "
+                "(the agent writes one next to the checkpoints it is told of; docs/agent.md)"
+            )
+            return ("unknown", "NoBundle", message, {"node": node}), None
+        if not confirmation.is_running(status) or rules.dry_run:
+            return None
+        running = status["confirmation"]
+        pod = self.caches.pods.get(key[0], str(running.get("pod") or ""))
+        judged = confirmation.judge(
+            running,
+            pod,
+            datetime.now(timezone.utc),
+            start_seconds=self.settings.confirmation_start_seconds,
+            deadline_seconds=self.settings.confirmation_deadline_seconds,
+        )
+        return (judged, pod) if judged is not None else None
+
+    async def _confirmation_result(self, key: Key, incident: dict[str, Any], rules: Rules) -> bool:
+        """Record what the confirmation pod came to (or, for a quarantined node whose
+        verdict named no bundle, that there is nothing to confirm). Whether it wrote."""
+        found = self._judge_confirmation(key, incident, rules)
+        if found is None:
+            return False
+        (outcome, reason, message, record), pod = found
+        entry, condition = confirmation.record(outcome, reason, message, record, now_iso())
+        wanted = (incident.get("status") or {}).get("confirmation")
+
+        def change(status: dict[str, Any]) -> dict[str, Any] | None:
+            if status.get("confirmation") != wanted:
+                return None  # recorded meanwhile (the previous leader, or a retry)
+            status["confirmation"] = entry
+            incidents.set_condition(status, *condition, now_iso())
+            return status
+
+        written = await self._write(key, change, self.containment)
+        if written is None:
+            return False
+        if (written.get("status") or {}).get("confirmation") != entry:
+            return True  # someone else recorded it: read again
+        self.metrics.confirmations.labels(outcome).inc()
+        if pod is not None and (pod.get("status") or {}).get("phase") not in (
+            "Succeeded",
+            "Failed",
+        ):
+            # Given up before it ended: it must not start later and hold the node's GPUs.
+            await self._delete_pod(key[0], str(pod["metadata"]["name"]))
+        await self._confirmation_said(written, outcome, rules, condition)
+        return True
+
+    async def _confirmation_said(
+        self,
+        incident: dict[str, Any],
+        outcome: str,
+        rules: Rules,
+        condition: tuple[str, str, str, str],
+    ) -> None:
+        """The Event (and the log line) for a confirmation's end."""
+        message = condition[3]
+        if outcome != "confirmed" and rules.remediation_policy == "auto-replace-confirmed":
+            meta = incident["metadata"]
+            message += (
+                "; policy auto-replace-confirmed replaces only a confirmed node, so a person "
+                f"decides: kubectl sdc approve|release {meta['name']} -n {meta['namespace']}"
+            )
+        reason = {
+            "confirmed": "SDCConfirmed",
+            "not-confirmed": "SDCNotConfirmed",
+            "unknown": "SDCConfirmationUnknown",
+        }[outcome]
+        await self._emit(self.containment, incident, reason, message, outcome != "not-confirmed")
+        log.warning("incident %s/%s: confirmation %s: %s", *_key_of(incident), outcome, message)
+
+    async def _delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            await self.containment.delete("v1", "pods", namespace, name)
+        except ApiError as exc:
+            if not is_not_found(exc):
+                log.warning("could not delete confirmation pod %s/%s: %s", namespace, name, exc)
 
     async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:
         phase, value, reason, message = summary

@@ -73,7 +73,12 @@ class Operator:
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         self.coordination = Kube(endpoint, name="election", pool_size=2, metrics=metrics)
         self.engine_ready = False
-        self.caches = Caches(self.watches, settings.namespaces, on_incident=self._on_incident)
+        self.caches = Caches(
+            self.watches,
+            settings.namespaces,
+            on_incident=self._on_incident,
+            on_pod=self._on_pod,
+        )
         sagemaker = _sagemaker_factory(settings)
         self.hyperpod = HyperPodNodes(sagemaker)
         self.engine = IncidentEngine(
@@ -121,6 +126,10 @@ class Operator:
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
             self.engine.on_incident(old, new)
+
+    def _on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        if self.engine_ready:
+            self.engine.on_pod(old, new)
 
     def _authenticator(self) -> Authenticator:
         s = self.settings

@@ -35,6 +35,7 @@ from typing import Any
 
 from sdc_agent.protocol import VerdictReport
 
+from . import confirmation
 from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "ResolvedSuspect",
     "agreed_group",
     "agreed_reports",
+    "confirmation_planned",
     "containment_summary",
     "escalate",
     "fold_report",
@@ -52,6 +54,7 @@ __all__ = [
     "is_closed",
     "last_activity",
     "new_incident",
+    "needs_bundle_note",
     "next_action",
     "pending_actions",
     "pending_entry",
@@ -335,6 +338,8 @@ def fold_report(
         entry["corroborated"] = report.corroborated
     if report.transient is not None:
         entry["transient"] = report.transient
+    if report.bundle:
+        entry["bundle"] = report.bundle
     reports.append(entry)
     if status.get("phase") in OPEN_PHASES:
         # Suspects and phase are frozen once containment starts (phase Detected).
@@ -429,9 +434,11 @@ def escalate(
     status: dict[str, Any], reason: str, message: str, incidents: Sequence[str], at: str
 ) -> dict[str, Any]:
     """The status of a held (``Transient``/``AwaitingEvidence``) incident that is to be
-    contained as a persistent fault after all: the same node caught again (``Repeated``),
-    or, later, a confirmation run on the node (issue 14). Phase ``Detected``: containment
-    starts; the escalation and the incidents it rests on are recorded."""
+    contained as a persistent fault after all: the same node caught again (``Repeated``).
+    Phase ``Detected``: containment starts; the escalation and the incidents it rests on
+    are recorded. (A confirmation never escalates: it runs on a quarantined node, and a
+    held incident quarantines none; nor has it a bundle, which only a persistent,
+    corroborated verdict names.)"""
     status = _copy_status(status)
     status["escalation"] = {
         "reason": reason,
@@ -460,6 +467,8 @@ class Rules:
     dry_run: bool = False
     remediation_policy: str = "manual"
     backoff_seconds: float = 30.0
+    confirmation: bool = True
+    """Run a confirmation pod on a quarantined node whose verdict named a bundle."""
 
     @classmethod
     def of(cls, settings: Any) -> Rules:
@@ -469,6 +478,7 @@ class Rules:
             dry_run=settings.dry_run,
             remediation_policy=settings.remediation_policy,
             backoff_seconds=settings.remediation_backoff_seconds,
+            confirmation=settings.confirmation,
         )
 
 
@@ -539,18 +549,60 @@ def requested_remediation(incident: dict[str, Any], rules: Rules) -> list[str]:
     return asked
 
 
+def confirmation_planned(incident: dict[str, Any], rules: Rules) -> Action | None:
+    """``confirm-node`` on the suspect node, once it is quarantined, where the verdict
+    named a bundle and confirmation is on; not once the node is remediated or released
+    (unless it was started already: then it is followed to its end)."""
+    status = incident.get("status") or {}
+    node = confirmation.confirmation_node(incident)
+    if node is None or not rules.confirmation or not confirmation.bundle_of(incident):
+        return None
+    action = Action("confirm-node", node)
+    started = any(
+        (a.get("action"), a.get("target")) == ("confirm-node", node)
+        for a in status.get("actions") or []
+    )
+    if started or status.get("phase") in ("Contained", "Resumed"):
+        return action
+    return None
+
+
+def needs_bundle_note(incident: dict[str, Any], rules: Rules) -> bool:
+    """A quarantined suspect node that cannot be confirmed for want of a bundle, not yet
+    said so (condition ``Confirmed=Unknown``, reason ``NoBundle``)."""
+    status = incident.get("status") or {}
+    return bool(
+        rules.confirmation
+        and not rules.dry_run
+        and status.get("phase") in ("Contained", "Resumed")
+        and confirmation.confirmation_node(incident)
+        and not confirmation.bundle_of(incident)
+        and not status.get("confirmation")
+    )
+
+
 def post_containment_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
     """After containment: restart the job (only where its suspect nodes were quarantined,
-    so the restarted pods cannot land there), then remediate the quarantined nodes as the
-    policy or a person asks."""
+    so the restarted pods cannot land there), start the confirmation run on the suspect
+    node, then remediate the quarantined nodes as the policy or a person asks. Under
+    ``auto-replace-confirmed`` the policy asks to replace only the node a confirmation
+    reproduced the fault on (``Confirmed=True``), and only while no person has decided."""
     status = incident.get("status") or {}
     actions = []
     contained = _condition(status, "Contained")
     if contained.get("status") == "True" and contained.get("reason") == "NodeQuarantined":
         actions.append(Action("resume-job", _job_target(incident)))
+    confirm = confirmation_planned(incident, rules)
+    if confirm is not None:
+        actions.append(confirm)
     nodes = quarantined_nodes(status)
-    for request in requested_remediation(incident, rules):
+    asked = requested_remediation(incident, rules)
+    for request in asked:
         actions += [Action(f"{request}-node", node) for node in nodes]
+    if rules.remediation_policy == "auto-replace-confirmed" and not asked:
+        confirmed = confirmation.confirmed_node(status)
+        if confirmed in nodes:
+            actions.append(Action("replace-node", confirmed))
     return actions
 
 
@@ -602,7 +654,9 @@ def next_action(
 def pending_actions(incident: dict[str, Any], rules: Rules) -> bool:
     """Anything left to do now or after a back-off (the resync keeps driving it)."""
     status = incident.get("status") or {}
-    if status.get("phase") == "Detected":
+    if status.get("phase") == "Detected" or confirmation.is_running(status):
+        return True
+    if needs_bundle_note(incident, rules):
         return True
     done = done_actions(status)
     return any(a not in done for a in _planned(incident, rules))

@@ -133,6 +133,13 @@ class Metrics:
             _JOB,
             registry=r,
         )
+        self.confirmations = Counter(
+            "hyperpod_sdc_confirmations",
+            "Confirmation runs ended, by outcome: confirmed (the fault came back on a GPU of "
+            "the node), not-confirmed, unknown (could not run, or inconclusive).",
+            ["outcome"],
+            registry=r,
+        )
         self.retention_deleted = Counter(
             "hyperpod_sdc_incidents_deleted",
             "Incidents deleted by retention, by why (closed, job_deleted).",

@@ -10,7 +10,7 @@ namespace's reports are heard and how boldly its nodes may be remediated::
     spec:
       namespaces: [ml, research]                     # exact names, and/or
       namespaceSelector: {matchLabels: {team: ml}}   # a label selector
-      remediationPolicy: manual                      # manual | auto-reboot | auto-replace
+      remediationPolicy: manual  # manual | auto-replace-confirmed | auto-reboot | auto-replace
       dryRun: false                                  # observe only
 
 A namespace is admitted when any policy admits it. Where several do, the most cautious
@@ -26,8 +26,16 @@ from typing import Any
 
 __all__ = ["POLICY_CAUTION", "Admission", "namespace_admission", "selector_matches"]
 
-POLICY_CAUTION: tuple[str, ...] = ("manual", "auto-reboot", "auto-replace")
-"""Remediation policies from the most cautious to the boldest."""
+POLICY_CAUTION: tuple[str, ...] = (
+    "manual",
+    "auto-replace-confirmed",
+    "auto-reboot",
+    "auto-replace",
+)
+"""Remediation policies from the most cautious to the boldest. ``auto-replace-confirmed``
+comes right after ``manual``: it acts on its own only where a confirmation run on the node
+reproduced the fault, and asks a person everywhere else, so it acts on fewer nodes than
+``auto-reboot`` (every quarantined node, if only with a reboot)."""
 
 
 @dataclass(frozen=True, slots=True)

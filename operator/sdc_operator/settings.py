@@ -26,7 +26,7 @@ __all__ = [
 
 AUTH_MODES = ("tokenreview", "static")
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-REMEDIATION_POLICIES = ("manual", "auto-reboot", "auto-replace")
+REMEDIATION_POLICIES = ("manual", "auto-replace-confirmed", "auto-reboot", "auto-replace")
 REMEDIATION_METHODS = ("api", "label")
 
 
@@ -73,8 +73,10 @@ class OperatorSettings:
     quarantined. A job opts out with ``hyperpod-sdc.dev/auto-resume: "false"``."""
     remediation_policy: str = "manual"
     """``manual``: a person annotates the incident with ``hyperpod-sdc.dev/action`` =
-    ``reboot``, ``replace`` or ``release``. ``auto-reboot``, ``auto-replace``: at once, once
-    the node is quarantined."""
+    ``reboot``, ``replace`` or ``release``. ``auto-replace-confirmed``: replace a node at
+    once where the confirmation run reproduced the fault on it (``Confirmed=True``), and
+    otherwise wait for a person as ``manual`` does. ``auto-reboot``, ``auto-replace``: at
+    once, once the node is quarantined."""
     remediation_method: str = "api"
     """``api``: SageMaker BatchRebootClusterNodes / BatchReplaceClusterNodes. ``label``: the
     node's ``sagemaker.amazonaws.com/node-health-status`` label
@@ -165,6 +167,24 @@ class OperatorSettings:
     incident_retention_days: float = 30.0
     """Closed incidents (nothing left to do, no node held) are deleted this many days after
     their last change; so are incidents of deleted jobs. 0 keeps them forever."""
+    confirmation: bool = True
+    """Once a suspect node is quarantined and its verdict named an evidence bundle, run
+    ``python -m sdc_agent.confirm BUNDLE`` in a pod pinned to that node, with the job's
+    image, ServiceAccount and volumes, and record the result as the incident's condition
+    ``Confirmed``. Needs ``create``/``delete`` on pods in the jobs' namespaces."""
+    confirmation_repeat: int = 3
+    """How many times the confirmation recomputes the micro-batch on each GPU (``--repeat``)."""
+    confirmation_deadline_seconds: float = 3600.0
+    """The confirmation pod's ``activeDeadlineSeconds``: the recomputation, the GEMM stress
+    check and ``dcgmi diag -r 3`` (up to 30 minutes) must end within it (``Confirmed=Unknown``,
+    reason ``Timeout``, otherwise)."""
+    confirmation_start_seconds: float = 600.0
+    """How long the confirmation pod may take to start (scheduled, image pulled, the node's
+    GPUs free of the stopped job's pods) before it is given up (``Confirmed=Unknown``,
+    reason ``Unschedulable``, ``ImagePullFailed`` ...) and deleted."""
+    confirmation_image: str | None = None
+    """The image of the confirmation pod; unset: the job's training container's image (it has
+    the training code the bundle's model is rebuilt from, and ``sdc_agent``)."""
     remediation_verify_seconds: float = 60.0
     """After a restart that finds a reboot or replace whose call may or may not have
     reached SageMaker, how long to keep asking ``DescribeClusterNode`` for its effect
@@ -231,6 +251,8 @@ class OperatorSettings:
             "rate_per_source",
             "token_reviews_per_second",
             "heartbeat_silence_seconds",
+            "confirmation_deadline_seconds",
+            "confirmation_start_seconds",
         ):
             if getattr(self, name) <= 0:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
@@ -244,6 +266,7 @@ class OperatorSettings:
             "max_in_flight",
             "repeat_count",
             "repeat_window_steps",
+            "confirmation_repeat",
         ):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")

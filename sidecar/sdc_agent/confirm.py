@@ -710,15 +710,30 @@ def confirm(
     return _finish(result, outcome, reason, started)
 
 
+def _gpu_seconds(gpu: Mapping[str, Any]) -> float | None:
+    """The time the recomputations and the stress check took on one GPU."""
+    spent: list[float] = [
+        float((gpu.get(part) or {})["seconds"])
+        for part in ("replay", "stress")
+        if isinstance((gpu.get(part) or {}).get("seconds"), int | float)
+    ]
+    return round(sum(spent), 3) if spent else None
+
+
 def compact_summary(result: Mapping[str, Any], limit: int = TERMINATION_LOG_LIMIT) -> str:
     """The result in at most ``limit`` bytes of JSON, for the termination log: the outcome
     and reason, then per GPU its result, with as much detail as fits."""
     gpus = [
         {
-            "index": g.get("index"),
-            "local_rank": g.get("local_rank"),
-            "uuid": g.get("uuid"),
-            "result": g.get("result"),
+            k: v
+            for k, v in (
+                ("index", g.get("index")),
+                ("local_rank", g.get("local_rank")),
+                ("uuid", g.get("uuid")),
+                ("result", g.get("result")),
+                ("seconds", _gpu_seconds(g)),
+            )
+            if k != "seconds" or v is not None
         }
         for g in result.get("gpus") or []
     ]

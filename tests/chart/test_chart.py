@@ -156,8 +156,12 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         assert "deletecollection" not in rule["verbs"]
         if "configmaps" in rule["resources"] and rule["verbs"] != ["create"]:
             assert rule["resourceNames"] == ["hyperpod-sdc-ca"]
-        if "delete" in rule["verbs"]:  # retention deletes its own incidents, nothing else
-            assert rule["resources"] == ["sdcincidents"]
+        if "delete" in rule["verbs"]:
+            # retention deletes its own incidents; a confirmation pod that did not start
+            # is deleted (pods: create and delete only where confirmation is on)
+            assert rule["resources"] in (["sdcincidents"], ["pods"])
+        if rule["resources"] == ["pods"] and "create" in rule["verbs"]:
+            assert rule["verbs"] == ["create", "delete"]
     (own,) = by_kind(docs, "Role")
     assert own["metadata"]["namespace"] == "hyperpod-sdc"
     secret_rules = [r for r in own["rules"] if "secrets" in r["resources"]]
@@ -169,6 +173,18 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
     )
     (secret,) = by_kind(docs, "Secret")
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+
+
+def test_confirmation_off_grants_no_pod_writes() -> None:
+    (role,) = by_kind(render({"confirmation": {"enabled": False}}), "ClusterRole")
+    pod_verbs = {v for r in role["rules"] if "pods" in r["resources"] for v in r["verbs"]}
+    assert pod_verbs == {"get", "list", "watch"}
+    (deploy,) = by_kind(render({"confirmation": {"enabled": False}}), "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["HYPERPOD_SDC_CONFIRMATION"] == "false"
 
 
 def test_every_env_setting_the_operator_reads_is_set_from_values() -> None:

@@ -35,7 +35,8 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
         job = run["job_object"]
         assert job["metadata"]["annotations"]["hyperpod-sdc.dev/enabled"] == "true"
         template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-        assert "volumes" not in template
+        # only the job's own volume: the checkpoints, where the evidence bundles go
+        assert [v["name"] for v in template["volumes"]] == ["checkpoints"]
         assert not {e["name"] for e in template["containers"][0]["env"]} & {
             "POD_NAME",
             "NODE_NAME",
@@ -48,6 +49,7 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
             env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
             assert {"POD_NAME", "NODE_NAME", "HYPERPOD_SDC_CA_BUNDLE"} <= env
             assert {v["name"] for v in pod["spec"]["volumes"]} == {
+                "checkpoints",
                 "hyperpod-sdc-token",
                 "hyperpod-sdc-ca",
             }
@@ -73,10 +75,12 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     )
     # the job was suspended, the node cordoned and tainted
     assert faulty["stopped_for_suspend"] == 1
-    assert [a["action"] for a in status["actions"]][:3] == [
+    assert [a["action"] for a in status["actions"]] == [
         "suspend-job",
         "quarantine-node",
         "resume-job",
+        "confirm-node",
+        "replace-node",
     ]
     labels, _, taints, unschedulable = faulty["nodes_after"][bad]
     assert unschedulable is True and labels["hyperpod-sdc.dev/suspect"] == "true"
@@ -92,8 +96,29 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
         == faulty["result"]["resumed_from"]
     )
     assert status["resumedFromStep"] <= last_clean and last_clean - status["resumedFromStep"] < 10
-    assert status["phase"] == "Resumed"
+    # confirmed on the faulty node, where the emulated GPU is still broken, naming that GPU;
+    # replaced by the policy auto-replace-confirmed, with exactly one SageMaker call
+    assert status["phase"] == "Remediated"
+    confirmed = next(c for c in status["conditions"] if c["type"] == "Confirmed")
+    assert (confirmed["status"], confirmed["reason"]) == ("True", "Reproduced")
+    assert f"(local rank 1) of node {bad}" in confirmed["message"]
+    record = status["confirmation"]
+    assert (record["outcome"], record["exitCode"], record["node"]) == ("confirmed", 3, bad)
+    assert record["bundle"] == incident["spec"]["bundle"]
+    assert [g["localRank"] for g in record["gpus"] if g["result"] == "reproduces"] == [1]
+    assert demo["sagemaker_calls"] == [
+        [
+            "BatchReplaceClusterNodes",
+            {"ClusterName": "demo-cluster", "NodeIds": [demo["instances"][bad]]},
+        ]
+    ]
+    # the same bundle on a healthy node: not confirmed
+    second = faulty["second_opinion"]
+    assert second["node"] != bad and second["exit_code"] == 0
+    assert second["summary"]["outcome"] == "not-confirmed"
+    assert not clean["confirmation_pods"]
     # finished, with the weights of the run without the fault, bit for bit
     assert faulty["finished"]
     assert faulty["result"]["sha256"] == clean["result"]["sha256"]
-    assert "llama-demo" in demo["table"] and "Resumed" in demo["table"]
+    assert "llama-demo" in demo["table"] and "Remediated" in demo["table"]
+    assert "CONFIRMED" in demo["table"] and "confirmed" in demo["table"]

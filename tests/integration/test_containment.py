@@ -219,6 +219,7 @@ def test_verdict_from_two_nodes_reporters_is_contained(
         "RANK",
         "STEP",
         "PHASE",
+        "CONFIRMED",
         "AGE",
     ]
     assert row.split()[1:8] == [

@@ -131,6 +131,9 @@ def test_cluster_role_allows_what_the_operator_does_and_nothing_more(
         ("list", "hyperpod-sdc.dev", "sdcpolicies", ""),
         ("watch", "hyperpod-sdc.dev", "sdcpolicies", ""),
         ("get", "", "namespaces", ""),
+        # the confirmation pod on a quarantined node (confirmation.enabled, the default)
+        ("create", "", "pods", ""),
+        ("delete", "", "pods", ""),
     ]
     own = [  # in the operator's namespace only
         ("get", "coordination.k8s.io", "leases", ""),
@@ -143,8 +146,9 @@ def test_cluster_role_allows_what_the_operator_does_and_nothing_more(
         ("list", "", "secrets", ""),
         ("watch", "", "secrets", ""),
         ("delete", "", "nodes", ""),
-        ("delete", "", "pods", ""),
         ("create", "", "pods", "exec"),
+        ("update", "", "pods", ""),
+        ("patch", "", "pods", ""),
         ("update", "", "nodes", ""),
         ("get", "", "configmaps", ""),
         ("get", "", "configmaps", "", "someone-elses"),

@@ -264,3 +264,38 @@ def test_auto_replace_through_the_health_label(
     labels = cluster.get_node(job.node_name(1))["metadata"]["labels"]
     assert labels["sagemaker.amazonaws.com/node-health-status"] == "UnschedulablePendingReplacement"
     assert labels[SUSPECT_KEY] == "true"  # still quarantined until HyperPod replaces it
+
+
+def test_two_incidents_of_one_node_replace_it_once(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    sagemaker: FakeSageMaker,
+) -> None:
+    """A job caught twice before its suspension lands (the audit of step 15, then of step
+    25, the same run): two incidents, one node, one BatchReplaceClusterNodes."""
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    cluster.admit(namespace, remediationPolicy="auto-replace")
+    op = start_operator(extra_env=sagemaker.env(), remediation_policy="auto-replace")
+    for step in (15, 25):
+
+        def report(reporter: int, step: int = step) -> VerdictReport:
+            return verdict(job, reporter, step=step, last_clean=10)
+
+        contain(cluster, op, job, report)
+
+    def remediated() -> list[dict[str, Any]] | None:
+        found = [
+            i for i in cluster.incidents(namespace) if i["status"].get("phase") == "Remediated"
+        ]
+        return found if len(found) == 2 else None
+
+    both = wait_for("both incidents remediated", remediated)
+    time.sleep(2)
+    assert sagemaker.calls == [
+        ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
+    ]
+    messages = [
+        a["message"] for i in both for a in i["status"]["actions"] if a["action"] == "replace-node"
+    ]
+    assert sum("requested already by incident" in m for m in messages) == 1, messages

@@ -28,7 +28,17 @@ def test_names(crd: dict[str, Any]) -> None:
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
     columns = [c["name"].upper() for c in version["additionalPrinterColumns"]]
-    assert columns == ["JOB", "CHECK", "NODE", "INSTANCE", "RANK", "STEP", "PHASE", "AGE"]
+    assert columns == [
+        "JOB",
+        "CHECK",
+        "NODE",
+        "INSTANCE",
+        "RANK",
+        "STEP",
+        "PHASE",
+        "CONFIRMED",
+        "AGE",
+    ]
 
 
 def _walk(schema: dict[str, Any], path: str = "") -> list[str]:

@@ -256,6 +256,11 @@ def test_resume_then_remediation_by_annotation_or_policy() -> None:
     auto = Rules(remediation_policy="auto-reboot")
     assert incidents.next_action(incident(status), auto) == Action("reboot-node", "b")
     assert incidents.pending_actions(incident(status), auto)
+    # Without a bundle the one thing left is to say so (Confirmed=Unknown, NoBundle) ...
+    assert incidents.needs_bundle_note(incident(status), R)
+    assert incidents.pending_actions(incident(status), R)
+    status["confirmation"] = {"outcome": "unknown", "node": "b"}
+    # ... after which nothing is left until a person decides.
     assert not incidents.pending_actions(incident(status), R)
 
 

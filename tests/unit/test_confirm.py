@@ -435,6 +435,10 @@ def test_compact_summary_fits_the_termination_log() -> None:
     assert 2 < len(kept) < 200 and brief["gpus_left_out"] == 200 - len(kept)
     small = compact_summary({"outcome": "unknown", "reason": "no bundle", "gpus": []})
     assert json.loads(small)["reason"] == "no bundle"
+    timed = {"index": 0, "local_rank": 0, "result": "reproduces"}
+    timed |= {"replay": {"seconds": 1.25}, "stress": {"seconds": 0.5}}
+    summary = json.loads(compact_summary({"outcome": "confirmed", "gpus": [timed]}))
+    assert summary["gpus"][0]["seconds"] == 1.75  # per GPU, for status.confirmation
 
 
 def test_stress_gemms_agree_on_the_cpu_and_the_judgement_finds_the_odd_one() -> None:

@@ -1,0 +1,495 @@
+"""The confirmation run's pure half: the pod, what its state means, and what follows."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from sdc_operator import confirmation, incidents
+from sdc_operator.actions import Actions
+from sdc_operator.errors import ApiError, ConfigError
+from sdc_operator.incidents import Action, Rules
+from sdc_operator.jobs import job_owner
+from sdc_operator.names import SUSPECT_KEY
+from sdc_operator.policy import POLICY_CAUTION, namespace_admission
+from sdc_operator.settings import OperatorSettings
+
+BUNDLE = "/fsx/ckpt/sdc-evidence/run-7-1200-r3"
+NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
+AT = "2026-12-01T12:00:00Z"
+
+
+def job() -> dict[str, Any]:
+    container = {
+        "name": "pytorch",
+        "image": "example.com/train:7",
+        "imagePullPolicy": "IfNotPresent",
+        "env": [{"name": "HYPERPOD_SDC_BUNDLE_FACTORY", "value": "train:build"}],
+        "envFrom": [{"configMapRef": {"name": "settings"}}],
+        "resources": {"limits": {"nvidia.com/gpu": 8}},
+        "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"}],
+    }
+    sidecar = {"name": "logger", "image": "example.com/log:1", "volumeMounts": []}
+    template = {
+        "metadata": {"labels": {"hyperpod-sdc.dev/inject": "true"}},
+        "spec": {
+            "serviceAccountName": "trainer",
+            "imagePullSecrets": [{"name": "registry"}],
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "containers": [sidecar, container],
+            "volumes": [
+                {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}},
+                {"name": "logs", "emptyDir": {}},
+            ],
+        },
+    }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "llama", "namespace": "ml", "uid": "job-uid"},
+        "spec": {
+            "pytorchReplicaSpecs": {
+                "Master": {"template": template},
+                "Worker": {"template": template},
+            }
+        },
+    }
+
+
+def incident(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ml", "name": "llama-1200-3f9a0b1c", "uid": "inc-uid"},
+        "spec": {
+            "job": {
+                "apiVersion": "kubeflow.org/v1",
+                "kind": "PyTorchJob",
+                "name": "llama",
+                "uid": "job-uid",
+            },
+            "check": "replay",
+            "detectionStep": 1200,
+            "lastCleanStep": 1150,
+            **spec,
+        },
+        "status": status if status is not None else quarantined(),
+    }
+
+
+def quarantined(node: str = "node-b", phase: str = "Resumed") -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "node": node,
+        "suspects": [{"rank": 3, "localRank": 1, "pod": "llama-worker-0", "node": node}],
+        "actions": [
+            {
+                "action": "suspend-job",
+                "target": "PyTorchJob ml/llama",
+                "result": "Succeeded",
+                "at": AT,
+            },
+            {"action": "quarantine-node", "target": node, "result": "Succeeded", "at": AT},
+            {
+                "action": "resume-job",
+                "target": "PyTorchJob ml/llama",
+                "result": "Succeeded",
+                "at": AT,
+            },
+        ],
+        "conditions": [
+            {"type": "Contained", "status": "True", "reason": "NodeQuarantined", "message": ""}
+        ],
+    }
+
+
+# -- the pod ----------------------------------------------------------------------------------
+
+
+def test_the_pod_is_pinned_tolerant_owned_and_runs_the_confirmation() -> None:
+    body, why = confirmation.pod_body(
+        incident(bundle=BUNDLE), job(), "node-b", BUNDLE, repeat=5, deadline_seconds=1800
+    )
+    assert body is not None, why
+    meta, spec = body["metadata"], body["spec"]
+    assert meta["name"] == confirmation.pod_name(incident(), "node-b") and len(meta["name"]) <= 63
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "hyperpod-sdc.dev/v1alpha1",
+            "kind": "SDCIncident",
+            "name": "llama-1200-3f9a0b1c",
+            "uid": "inc-uid",
+            "controller": True,
+        }
+    ]
+    # not a training pod: owned by no job, and none of the labels the webhook selects by
+    assert job_owner(body) is None
+    assert set(meta["labels"]) == {
+        "hyperpod-sdc.dev/confirmation",
+        "hyperpod-sdc.dev/incident",
+        "hyperpod-sdc.dev/job",
+    }
+    assert spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}
+        ]
+    }
+    keys = {t["key"] for t in spec["tolerations"]}
+    assert {SUSPECT_KEY, "node.kubernetes.io/unschedulable", "nvidia.com/gpu"} == keys
+    assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 1800
+    assert spec["serviceAccountName"] == "trainer"
+    assert spec["automountServiceAccountToken"] is False  # it has nothing to ask the API
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert [v["name"] for v in spec["volumes"]] == ["fsx"]  # only what the container mounts
+    (container,) = spec["containers"]
+    assert container["image"] == "example.com/train:7"
+    assert container["command"] == ["python", "-m", "sdc_agent.confirm"]
+    assert container["args"][0] == BUNDLE
+    assert container["args"][1:3] == ["--repeat", "5"]
+    assert container["args"][-2:] == ["--termination-log", "/dev/termination-log"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["envFrom"] == [{"configMapRef": {"name": "settings"}}]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HYPERPOD_SDC_BUNDLE_FACTORY"]["value"] == "train:build"
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert container["volumeMounts"] == [{"name": "fsx", "mountPath": "/fsx"}]
+    # deterministic: the same incident and node give the same pod, another node another
+    again, _ = confirmation.pod_body(
+        incident(bundle=BUNDLE), job(), "node-b", BUNDLE, repeat=5, deadline_seconds=1800
+    )
+    assert again == body
+    assert confirmation.pod_name(incident(), "node-c") != meta["name"]
+
+
+def test_an_image_override_replaces_the_jobs_image() -> None:
+    body, _ = confirmation.pod_body(
+        incident(), job(), "node-b", BUNDLE, repeat=3, deadline_seconds=60, image="ex.com/c:1"
+    )
+    assert body is not None
+    (container,) = body["spec"]["containers"]
+    assert container["image"] == "ex.com/c:1" and "imagePullPolicy" not in container
+
+
+@pytest.mark.parametrize(
+    ("bundle", "problem"),
+    [
+        ("relative/sdc-evidence/x", "not absolute"),
+        ("/tmp/sdc-evidence/x", "on none of the training container's volumes"),
+        ("/fsx/../etc/sdc-evidence", "on none of the training container's volumes"),
+        ("/fsx/x\nmore", "not a plain path"),
+        ("/fsxother/x", "on none of the training container's volumes"),
+    ],
+)
+def test_a_bundle_the_pod_cannot_read_is_refused(bundle: str, problem: str) -> None:
+    body, why = confirmation.pod_body(
+        incident(), job(), "node-b", bundle, repeat=3, deadline_seconds=60
+    )
+    assert body is None and problem in why
+
+
+def test_the_master_template_for_a_master_suspect() -> None:
+    spec = job()
+    spec["spec"]["pytorchReplicaSpecs"]["Master"] = copy.deepcopy(
+        spec["spec"]["pytorchReplicaSpecs"]["Master"]
+    )
+    spec["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][1]["image"] = (
+        "m"
+    )
+    master = confirmation.training_template(spec, "llama-master-0")
+    assert master is not None and master["spec"]["containers"][1]["image"] == "m"
+    worker = confirmation.training_template(spec, "llama-worker-3")
+    assert worker is not None and worker["spec"]["containers"][1]["image"] == "example.com/train:7"
+
+
+# -- reading the pod --------------------------------------------------------------------------
+
+RUNNING = confirmation.running_record("sdc-confirm-x", "node-b", BUNDLE, AT)
+
+
+def pod(**status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "sdc-confirm-x"}, "spec": {"nodeName": "node-b"}, "status": status}
+
+
+def terminated(code: int, message: str, **more: Any) -> dict[str, Any]:
+    state = {"terminated": {"exitCode": code, "message": message, "finishedAt": AT, **more}}
+    return pod(
+        phase="Failed" if code else "Succeeded",
+        containerStatuses=[{"name": "confirm", "state": state}],
+    )
+
+
+def summary(outcome: str, *gpus: tuple[int, str]) -> str:
+    return json.dumps(
+        {
+            "outcome": outcome,
+            "reason": "GPU 1: loss bits differ",
+            "dcgmi": "skipped",
+            "seconds": 4.5,
+            "gpus": [
+                {"index": i, "local_rank": i, "uuid": f"GPU-{i}", "result": r, "seconds": 1.5}
+                for i, r in gpus
+            ],
+        }
+    )
+
+
+def judge(
+    p: dict[str, Any] | None, now: datetime = NOW
+) -> tuple[str, str, str, dict[str, Any]] | None:
+    return confirmation.judge(RUNNING, p, now, start_seconds=600, deadline_seconds=3600)
+
+
+def test_the_exit_code_and_the_summary_give_the_outcome() -> None:
+    found = judge(terminated(3, summary("confirmed", (0, "does-not-reproduce"), (1, "reproduces"))))
+    assert found is not None
+    outcome, reason, message, record = found
+    assert (outcome, reason) == ("confirmed", "Reproduced")
+    assert "GPU 1 (local rank 1, GPU-1) of node node-b" in message
+    assert record["gpus"][1] == {
+        "result": "reproduces",
+        "index": 1,
+        "localRank": 1,
+        "uuid": "GPU-1",
+        "seconds": 1.5,
+    }
+    assert record["exitCode"] == 3 and record["pod"] == "sdc-confirm-x"
+    found = judge(terminated(0, summary("not-confirmed", (0, "does-not-reproduce"))))
+    assert found is not None and found[:2] == ("not-confirmed", "NotReproduced")
+    found = judge(terminated(4, summary("unknown", (0, "could-not-run"))))
+    assert found is not None and found[:2] == ("unknown", "Inconclusive")
+
+
+def test_a_crash_or_a_lying_message_is_unknown() -> None:
+    found = judge(terminated(1, "Traceback (most recent call last): ImportError: no torch"))
+    assert (
+        found is not None and found[:2] == ("unknown", "CouldNotRun") and "ImportError" in found[2]
+    )
+    # exit 0 says not-confirmed; a summary that says otherwise is not believed either way
+    found = judge(terminated(0, summary("confirmed", (0, "reproduces"))))
+    assert found is not None and found[:2] == ("unknown", "UnreadableResult")
+    found = judge(terminated(3, "not json"))
+    assert found is not None and found[:2] == ("unknown", "UnreadableResult")
+
+
+def test_a_pod_that_does_not_start_is_given_up_with_the_reason() -> None:
+    pending = pod(
+        phase="Pending",
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/4 nodes: Insufficient nvidia.com/gpu",
+            }
+        ],
+    )
+    assert judge(pending, NOW + timedelta(seconds=599)) is None  # still within its start time
+    found = judge(pending, NOW + timedelta(seconds=601))
+    assert found is not None and found[:2] == ("unknown", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in found[2]
+    pulling = pod(
+        phase="Pending",
+        containerStatuses=[
+            {
+                "name": "confirm",
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "denied"}},
+            }
+        ],
+    )
+    found = judge(pulling, NOW + timedelta(seconds=601))
+    assert found is not None and found[:2] == ("unknown", "ImagePullFailed")
+
+
+def test_timeouts_and_a_vanished_pod() -> None:
+    deadline = pod(
+        phase="Failed",
+        reason="DeadlineExceeded",
+        message="Pod was active on the node longer than the specified deadline",
+    )
+    found = judge(deadline)
+    assert found is not None and found[:2] == ("unknown", "Timeout")
+    running = pod(
+        phase="Running",
+        containerStatuses=[{"name": "confirm", "state": {"running": {"startedAt": AT}}}],
+    )
+    assert judge(running, NOW + timedelta(seconds=3600)) is None
+    found = judge(running, NOW + timedelta(seconds=3600 + 61))
+    assert found is not None and found[:2] == ("unknown", "Timeout")
+    assert judge(None, NOW + timedelta(seconds=10)) is None  # the cache may not have it yet
+    found = judge(None, NOW + timedelta(seconds=31))
+    assert found is not None and found[:2] == ("unknown", "PodGone")
+    elsewhere = pod(phase="Running")
+    elsewhere["spec"]["nodeName"] = "node-z"
+    found = judge(elsewhere)
+    assert found is not None and found[:2] == ("unknown", "WrongNode")
+
+
+# -- what follows -----------------------------------------------------------------------------
+
+
+def finished(status: dict[str, Any], outcome: str, node: str = "node-b") -> dict[str, Any]:
+    entry, condition = confirmation.record(outcome, "R", "m", {"node": node, "pod": "p"}, AT)
+    status = copy.deepcopy(status)
+    status["confirmation"] = entry
+    incidents.set_condition(status, *condition, AT)
+    return status
+
+
+CONFIRMED_POLICY = Rules(remediation_policy="auto-replace-confirmed")
+
+
+def test_confirmation_is_planned_once_quarantined_with_a_bundle() -> None:
+    with_bundle = incident(bundle=BUNDLE)
+    assert incidents.next_action(with_bundle, Rules()) == Action("confirm-node", "node-b")
+    assert incidents.next_action(with_bundle, Rules(confirmation=False)) is None
+    no_bundle = incident()
+    assert incidents.next_action(no_bundle, Rules()) is None
+    assert incidents.needs_bundle_note(no_bundle, Rules())
+    # a bundle another report named counts as well
+    status = quarantined()
+    status["reports"] = [
+        {"node": "node-a", "receivedAt": AT},
+        {"node": "node-c", "receivedAt": AT, "bundle": BUNDLE},
+    ]
+    assert incidents.next_action(incident(status), Rules()) == Action("confirm-node", "node-b")
+    # not quarantined: nothing to confirm on
+    held = quarantined(phase="Contained")
+    held["actions"] = held["actions"][:1]
+    held["conditions"][0]["reason"] = "JobStoppedNotLocalized"
+    assert incidents.next_action(incident(held, bundle=BUNDLE), Rules()) is None
+    # while it runs the incident stays open (its deadline is checked at every resync)
+    running = incident(bundle=BUNDLE)
+    running["status"]["actions"].append(
+        {"action": "confirm-node", "target": "node-b", "result": "Succeeded", "at": AT}
+    )
+    running["status"]["confirmation"] = dict(RUNNING)
+    assert incidents.next_action(running, Rules()) is None
+    assert incidents.pending_actions(running, Rules())
+
+
+def test_auto_replace_confirmed_replaces_only_the_confirmed_node() -> None:
+    status = quarantined()
+    status["actions"].append(
+        {"action": "confirm-node", "target": "node-b", "result": "Succeeded", "at": AT}
+    )
+    yes = incident(finished(status, "confirmed"), bundle=BUNDLE)
+    assert incidents.next_action(yes, CONFIRMED_POLICY) == Action("replace-node", "node-b")
+    assert incidents.next_action(yes, Rules()) is None  # manual still waits for a person
+    for outcome in ("not-confirmed", "unknown"):
+        other = incident(finished(status, outcome), bundle=BUNDLE)
+        assert incidents.next_action(other, CONFIRMED_POLICY) is None, outcome
+        assert not incidents.pending_actions(other, CONFIRMED_POLICY)
+    # a person's decision wins over the policy's
+    released = incident(finished(status, "confirmed"), bundle=BUNDLE)
+    released["metadata"]["annotations"] = {"hyperpod-sdc.dev/action": "release"}
+    assert incidents.next_action(released, CONFIRMED_POLICY) == Action("release-node", "node-b")
+    # a node confirmed, then replaced: nothing more (the confirmation is not run again)
+    replaced = copy.deepcopy(yes)
+    replaced["status"]["actions"].append(
+        {"action": "replace-node", "target": "node-b", "result": "Succeeded", "at": AT}
+    )
+    replaced["status"]["phase"] = "Remediated"
+    assert incidents.next_action(replaced, CONFIRMED_POLICY) is None
+
+
+def test_auto_replace_confirmed_is_the_most_cautious_after_manual() -> None:
+    assert POLICY_CAUTION == ("manual", "auto-replace-confirmed", "auto-reboot", "auto-replace")
+    policies = [
+        {
+            "metadata": {"name": "a"},
+            "spec": {"namespaces": ["ml"], "remediationPolicy": "auto-reboot"},
+        },
+        {
+            "metadata": {"name": "b"},
+            "spec": {"namespaces": ["ml"], "remediationPolicy": "auto-replace-confirmed"},
+        },
+    ]
+    assert namespace_admission(policies, "ml", {}).remediation_policy == "auto-replace-confirmed"
+    assert (
+        OperatorSettings.from_env(
+            {"HYPERPOD_SDC_REMEDIATION_POLICY": "auto-replace-confirmed"}
+        ).remediation_policy
+        == "auto-replace-confirmed"
+    )
+
+
+def test_confirmation_settings_are_checked() -> None:
+    s = OperatorSettings.from_env(
+        {
+            "HYPERPOD_SDC_CONFIRMATION": "false",
+            "HYPERPOD_SDC_CONFIRMATION_REPEAT": "5",
+            "HYPERPOD_SDC_CONFIRMATION_DEADLINE_SECONDS": "90",
+            "HYPERPOD_SDC_CONFIRMATION_IMAGE": "ex.com/c:1",
+        }
+    )
+    assert (s.confirmation, s.confirmation_repeat, s.confirmation_deadline_seconds) == (
+        False,
+        5,
+        90.0,
+    )
+    assert s.confirmation_image == "ex.com/c:1" and Rules.of(s).confirmation is False
+    with pytest.raises(ConfigError, match="^HYPERPOD_SDC_CONFIRMATION_REPEAT: must be >= 1"):
+        OperatorSettings.from_env({"HYPERPOD_SDC_CONFIRMATION_REPEAT": "0"})
+    with pytest.raises(ConfigError, match="^HYPERPOD_SDC_CONFIRMATION_START_SECONDS: must be > 0"):
+        OperatorSettings.from_env({"HYPERPOD_SDC_CONFIRMATION_START_SECONDS": "0"})
+
+
+# -- creating the pod (Actions, against a stand-in for the API client) ------------------------
+
+
+class _Kube:
+    """Answers ``create`` with ``error`` (or the body), ``get`` with ``existing``."""
+
+    def __init__(self, error: ApiError | None = None, existing: dict[str, Any] | None = None):
+        self.error, self.existing = error, existing
+        self.created: list[dict[str, Any]] = []
+
+    async def get_object(self, *_: Any) -> dict[str, Any]:
+        return job()
+
+    async def create(self, _v: str, _p: str, _ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        self.created.append(body)
+        return {**body, "metadata": {**body["metadata"], "creationTimestamp": AT}}
+
+    async def get(self, *_: Any) -> dict[str, Any]:
+        assert self.existing is not None
+        return self.existing
+
+
+class _Pods:
+    def upsert(self, _: dict[str, Any]) -> None:
+        pass
+
+
+def start(kube: _Kube) -> Any:
+    async def emit(*_: Any) -> None:
+        pass
+
+    caches: Any = type("C", (), {"pods": _Pods()})()
+    actions = Actions(kube, caches, OperatorSettings(), None, emit)  # type: ignore[arg-type]
+    return asyncio.run(
+        actions.take(incident(bundle=BUNDLE), Action("confirm-node", "node-b"), Rules())
+    )
+
+
+def test_the_pod_is_created_once_and_a_conflict_finds_it_or_says_whose_it_is() -> None:
+    kube = _Kube()
+    made = start(kube)
+    assert made.result == "Succeeded" and made.condition[:3] == ("Confirmed", "Unknown", "Running")
+    assert made.fields["confirmation"]["outcome"] == "running" and len(kube.created) == 1
+    ours = {"metadata": {"name": "x", "ownerReferences": [{"uid": "inc-uid"}]}}
+    found = start(_Kube(ApiError(409, "exists"), ours))
+    assert found.result == "Succeeded" and found.message.startswith("found")
+    theirs = {"metadata": {"name": "x", "ownerReferences": [{"uid": "someone"}]}}
+    taken = start(_Kube(ApiError(409, "exists"), theirs))
+    assert (taken.result, taken.reason) == ("Skipped", "NameTaken")
+    assert taken.fields["confirmation"]["outcome"] == "unknown"
+    refused = start(_Kube(ApiError(403, "forbidden: pods create")))
+    assert (refused.result, refused.condition[2]) == ("Skipped", "CouldNotCreate")
+    with pytest.raises(ApiError):  # a server error is retried: the action stays Pending
+        start(_Kube(ApiError(503, "unavailable")))
