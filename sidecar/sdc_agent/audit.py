@@ -16,7 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import SDCError
-from .evidence import Comparison, NoiseModel, Summary, attribute, compare, noise_cap, tensor_stats
+from .evidence import (
+    Comparison,
+    NoiseModel,
+    Summary,
+    Tolerance,
+    attribute,
+    compare,
+    compute_dtype,
+    noise_cap,
+    tensor_stats,
+)
 from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
 from .replay import (
@@ -150,8 +160,8 @@ class ReplayAudit:
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         first = next(iter(self.params), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        dtype = first.dtype if first is not None else torch.float32
-        self.noise = NoiseModel(cap=noise_cap(dtype))
+        self._dtypes = {p.dtype for p in self.params}
+        self.noise = NoiseModel(cap=noise_cap(compute_dtype(self._dtypes, {}, self.device.type)))
         self.stats = ReplayStats()
         self.blind = False
         """The job's replays differ beyond any plausible noise: the audit verifies nothing."""
@@ -175,6 +185,8 @@ class ReplayAudit:
         self._micro = 0
         self._observe_later = False
         self._in_hook = False
+        self._syncing_recorded = 0  # micro-batches recorded whose backward all-reduces
+        self._passes = 0  # backward passes the comm hook saw this step
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
 
@@ -205,6 +217,8 @@ class ReplayAudit:
         self._micro = 0
         self._observe_later = False
         self._in_hook = False
+        self._syncing_recorded = 0
+        self._passes = 0
         self._own = _Collector(self.fingerprinter)
 
     def set_loss_fn(self, loss_fn: LossFn) -> None:
@@ -220,7 +234,7 @@ class ReplayAudit:
     def forward_starts(self) -> None:
         """From the model's forward pre-hook: the RNG state the micro-batch starts from."""
         if self._rng is None:
-            self._rng = RngState.capture()
+            self._rng = RngState.capture(self.device)
 
     def micro_batch(self, batch: Any, loss: torch.Tensor, *, syncs: bool, copy: bool) -> None:
         """A micro-batch's forward is done and its ``loss`` is about to be backpropagated.
@@ -229,13 +243,16 @@ class ReplayAudit:
         (no ``no_sync``), so the communication hook sees its local gradients.
         """
         self._micro += 1
-        if self._micro == 2 and self._observe_later:
-            self.observe_grads()  # the first micro-batch's backward is done
+        self._syncing_recorded += syncs
+        if self._micro == 2:
+            self._in_hook = False  # the hook now carries later micro-batches' gradients
+            if self._observe_later:
+                self.observe_grads()  # the first micro-batch's backward is done
         if self._micro > 1:
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise SDCError("loss: must be a scalar tensor (the micro-batch's loss)")
-        rng = self._rng if self._rng is not None else RngState.capture()
+        rng = self._rng if self._rng is not None else RngState.capture(self.device)
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
         self.payload = Payload(batch, rng.cpu, rng.cuda, rng.autocast)
@@ -257,7 +274,22 @@ class ReplayAudit:
         return self._in_hook
 
     def observe_bucket(self, bucket: dist.GradBucket) -> None:
-        """From the comm hook, before the all-reduce: remember each local gradient."""
+        """From the comm hook, before the all-reduce: remember each local gradient.
+
+        Raises :class:`SDCError` when this backward belongs to a micro-batch the loop
+        never showed (``before_backward`` called for the first micro-batch only): the
+        audit would read accumulated gradients as the first micro-batch's own and find
+        every comparison different."""
+        if bucket.index() == 0 and self._micro and self._passes >= self._syncing_recorded:
+            raise SDCError(
+                "before_backward: a backward pass began for a micro-batch that was not "
+                f"shown to the Guard ({self._micro} micro-batch(es) shown this step, "
+                f"{self._passes} backward pass(es) all-reduced already): with gradient "
+                "accumulation call guard.before_backward(batch, loss) for every "
+                "micro-batch, after its forward and before its backward"
+            )
+        if bucket.is_last():
+            self._passes += 1
         # Where bucket 0's gradients sit, for replaying local-gradient faults (drills only;
         # recorded every step because DDP may rebuild its buckets after the first).
         if bucket.index() == 0 and self.injector:
@@ -327,8 +359,15 @@ class ReplayAudit:
 
     # -- after backward ------------------------------------------------------------------
 
-    def _tolerance(self, *ranks: int) -> float:
+    def _tolerance(self, *ranks: int) -> Tolerance:
         return self.noise.tolerance(ranks)
+
+    def _cap(self) -> float:
+        """The noise cap for this step's audited computation: by the dtype it ran in
+        (autocast's, from the payload, or the parameters')."""
+        assert self.payload is not None
+        dtype = compute_dtype(self._dtypes, self.payload.autocast, self.device.type)
+        return noise_cap(dtype)
 
     def audit(self) -> AuditOutcome:
         """Compare this step's audited micro-batches across the ring. A collective."""
@@ -342,7 +381,8 @@ class ReplayAudit:
         received = exchange(
             sends, [partner] if partner is not None else [], self.group, self.comm_device
         )
-        row = torch.full((5,), -1.0, dtype=torch.float64)
+        row = torch.full((6,), -1.0, dtype=torch.float64)
+        row[5] = self._cap()
         partner_payload: Payload | None = None
         replayed: Summary | None = None
         partner_own: Summary | None = None
@@ -351,11 +391,14 @@ class ReplayAudit:
             partner_payload = Payload.from_bytes(raw)
             replayed = self._recompute(partner_payload)
             c = compare(partner_own, replayed)
-            row[:] = torch.tensor(
+            row[:5] = torch.tensor(
                 [1.0, float(c.loss_equal), float(c.grads_equal), c.loss_rel, c.grad_rel],
                 dtype=torch.float64,
             )
         table = self._gather(row)
+        # Every rank decides from the same table, with the same cap (the widest any rank
+        # computed in, should autocast differ between them).
+        self.noise.cap = max(t[5] for t in table)
         comparisons = {
             p: Comparison(bool(t[1]), bool(t[2]), t[3], t[4])
             for p, r in self.replayer_of.items()
@@ -385,6 +428,8 @@ class ReplayAudit:
         learned = None
         if first and mismatched and not self.calibrate:
             mismatched, learned = self._baseline(mismatched, comparisons)
+        elif mismatched and not self.calibrate:
+            mismatched, learned = self._known_noise(mismatched, comparisons)
         self.stats.mismatches += len(mismatched)
         self.stats.loss_mismatches += sum(not comparisons[p].loss_equal for p in mismatched)
         if mismatched:
@@ -401,6 +446,8 @@ class ReplayAudit:
             if rechecks:
                 evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks]
         finding = resolve(explanation, rechecks)
+        if finding.classification == "rank" and finding.localized:
+            finding = self._rounding_level(finding, mismatched, comparisons)
         if finding.classification != "nondeterministic":
             # A hardware fault says nothing about the job's reproducibility: count the rest.
             self.noise.count(c for p, c in comparisons.items() if p not in mismatched)
@@ -409,7 +456,7 @@ class ReplayAudit:
         # Not hardware: the job's computation varies this much. Learn it (never drop a
         # step for it), or, beyond any plausible noise, stop vouching for steps.
         largest = max(comparisons[p].magnitude for p in mismatched)
-        if self.noise.learn_job(largest):
+        if self.noise.learn_job(comparisons[p] for p in mismatched):
             note = (
                 f"replays differ by up to {largest:.3g} (relative) without a pattern one "
                 f"GPU explains: learned as the job's run-to-run noise; {self.noise.describe()}"
@@ -425,26 +472,99 @@ class ReplayAudit:
         )
         return AuditOutcome(finding, evidence, False, note)
 
+    def _known_noise(
+        self, mismatched: list[int], comparisons: dict[int, Comparison]
+    ) -> tuple[list[int], str | None]:
+        """Differences within the cap, in evidence whose noise is already known (its
+        tolerance is above 0): the noise reaching further than the audits saw so far
+        (one sample of it sets the first tolerance), not evidence. They widen the
+        tolerance they exceeded and accuse nobody."""
+        ring = self.replayer_of
+        grown = [
+            p
+            for p in mismatched
+            if self.noise.within_cap(comparisons[p])
+            and not self.noise.new_evidence(comparisons[p], (p, ring[p]))
+        ]
+        if not grown:
+            return mismatched, None
+        for p in grown:
+            self.noise.widen((p, ring[p]), comparisons[p])
+        note = (
+            f"replays differed by up to {max(comparisons[p].magnitude for p in grown):.3g} "
+            "(relative), within what rounding can produce, in evidence already known to "
+            f"carry noise: the tolerance grows to cover it; {self.noise.describe()}"
+        )
+        return [p for p in mismatched if p not in grown], note
+
+    def _rounding_level(
+        self, finding: ReplayFinding, mismatched: list[int], comparisons: dict[int, Comparison]
+    ) -> ReplayFinding:
+        """A localized finding resting only on differences rounding can make (within the
+        cap) is named but not corroborated, and the difference is learned, so it is
+        reported once and never quarantines by repetition.
+
+        The recheck cannot tell such a difference from a kernel the suspect's process
+        chose differently mid-run (autotuning a new shape, a library heuristic:
+        reproducible on that GPU, like a broken one) or, when the rerun did not reproduce
+        it, from a kernel that is not deterministic run to run. Only a recomputation by
+        another process on the suspect's GPU (the confirmation run) separates them.
+        """
+        ring = self.replayer_of
+        suspects = set(finding.suspects)
+        against = [comparisons[p] for p in mismatched if suspects & {p, ring[p]}]
+        if not against or not all(self.noise.within_cap(c) for c in against):
+            return finding
+        worst = max(c.magnitude for c in against)
+        if finding.transient:
+            # Not reproducible on the same GPU, and no larger than rounding: a kernel that
+            # is not deterministic run to run gives exactly this. Noise (learned below).
+            return ReplayFinding(
+                "nondeterministic",
+                (),
+                False,
+                None,
+                f"a replay differed by {worst:.3g} (relative), within what rounding can "
+                "produce, and did not reproduce when recomputed: run-to-run noise of a "
+                "kernel that is not deterministic, not evidence against any GPU",
+            )
+        nodes = {self.nodes[q] for q in suspects}
+        for r, node in enumerate(self.nodes):
+            if node in nodes:
+                for c in against:
+                    self.noise.excuse(r, c)
+        message = (
+            f"{finding.message}; but the difference ({worst:.3g} relative) is within what "
+            f"rounding can produce (up to {self.noise.cap:.3g} in the dtype this step "
+            "computed in): a kernel the suspect's process chose differently mid-run "
+            "(autotuning a new shape, a library heuristic) would look the same, and the "
+            "recheck cannot tell them apart, so this is not corroborated (a confirmation "
+            "run on the node decides) and is learned as the suspect node's noise (reported "
+            f"once); {self.noise.describe()}"
+        )
+        return dataclasses.replace(finding, corroborated=False, message=message)
+
     def _baseline(
         self, mismatched: list[int], comparisons: dict[int, Comparison]
     ) -> tuple[list[int], str | None]:
         """The first audit: differences the job shows from the start are its noise."""
         ring = self.replayer_of
-        small = [p for p in mismatched if comparisons[p].magnitude <= self.noise.cap]
+        small = [p for p in mismatched if self.noise.within_cap(comparisons[p])]
         if not small:
             return mismatched, None
         explanation = explain_mismatches(small, ring, max_mismatches=self.max_mismatches)
         if explanation.storm:
-            self.noise.learn_job(max(comparisons[p].magnitude for p in small))
+            self.noise.learn_job(comparisons[p] for p in small)
             who = "every rank's computations"
         else:
             common, rest = attribute(small, ring)
             for r in common:
-                worst = max(comparisons[p].magnitude for p in small if r in (p, ring[p]))
-                self.noise.learn_rank(r, worst)
+                for p in small:
+                    if r in (p, ring[p]):
+                        self.noise.learn_rank(r, comparisons[p])
             for p, r in rest:
-                self.noise.learn_rank(p, comparisons[p].magnitude)
-                self.noise.learn_rank(r, comparisons[p].magnitude)
+                self.noise.learn_rank(p, comparisons[p])
+                self.noise.learn_rank(r, comparisons[p])
             ranks = sorted(common | {r for pair in rest for r in pair})
             who = "the processes of rank(s) " + ", ".join(
                 str(self.topology.global_rank(r)) for r in ranks
@@ -458,6 +578,16 @@ class ReplayAudit:
         )
         return [p for p in mismatched if p not in small], note
 
+    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int]) -> bool:
+        """Two computations in the recheck agree: within the tolerance in force for
+        ``ranks``, or within the cap in evidence already known to carry noise (the rule
+        of the first round, :meth:`_known_noise`: one sample of noise sets the first
+        tolerance, and the next may reach further)."""
+        c = compare(a, b)
+        if not c.differs(self._tolerance(*ranks)):
+            return True
+        return self.noise.within_cap(c) and not self.noise.new_evidence(c, ranks)
+
     def _mismatch_evidence(self, p: int, c: Comparison) -> dict[str, Any]:
         return {
             "work_of": self.topology.global_rank(p),
@@ -466,7 +596,8 @@ class ReplayAudit:
             "gradients_equal": c.grads_equal,
             "loss_relative_difference": _finite(c.loss_rel),
             "gradient_relative_difference": _finite(c.grad_rel),
-            "tolerance": self._tolerance(p, self.replayer_of[p]),
+            "tolerance": self._tolerance(p, self.replayer_of[p]).gradients,
+            "loss_tolerance": self._tolerance(p, self.replayer_of[p]).loss,
         }
 
     def _recheck_evidence(self, r: Recheck) -> dict[str, Any]:
@@ -528,19 +659,17 @@ class ReplayAudit:
             if me == q:
                 assert self.payload is not None
                 again = self._recompute(self.payload)
-                row[k, 0] = float(
-                    not compare(self.own_summary(), again).differs(self._tolerance(q))
-                )
+                # At the tolerance of the comparison that flagged q's work: the noise
+                # learned for q's pair (or the job) moves q's own rerun as much.
+                row[k, 0] = float(self._agree(self.own_summary(), again, (q, ring[q])))
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
-                row[k, 1] = float(not compare(replayed, again).differs(self._tolerance(me)))
+                row[k, 1] = float(self._agree(replayed, again, (q, ring[q])))
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[k, 2] = float(not compare(original, mine).differs(self._tolerance(me, q)))
-                row[k, 3] = float(
-                    not compare(replays[q], mine).differs(self._tolerance(me, ring[q]))
-                )
+                row[k, 2] = float(self._agree(original, mine, (me, q)))
+                row[k, 3] = float(self._agree(replays[q], mine, (me, ring[q])))
         table = [torch.tensor(t).reshape(len(owners), 4).tolist() for t in self._gather(row)]
         out = []
         for k, q in enumerate(owners):

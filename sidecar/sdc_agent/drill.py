@@ -59,6 +59,9 @@ class Drill:
     """Every computation of the second layer's weight gradient moves three random
     elements by one unit in the last place, on every rank: run-to-run noise as atomics
     in a backward kernel give it."""
+    grad_noise_everywhere: bool = False
+    """With ``grad_noise``: every element of that gradient moves by ±1 ulp, not three (a
+    full reduction made with atomics)."""
     reorder_rank: int | None = None
     """This rank's process computes the second layer's forward in another summation
     order from the first step: a deterministic last-bit difference, as per-process
@@ -118,16 +121,39 @@ class _UlpNoise(torch.autograd.Function):
         return noisy
 
 
+class _UlpNoiseEverywhere(torch.autograd.Function):
+    """Identity forward; the backward moves every element of the gradient by ±1 ulp."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        up = torch.randint(0, 2, grad.shape, generator=g).bool()
+        return torch.nextafter(grad, torch.where(up, float("inf"), float("-inf")).to(grad.dtype))
+
+
 class DrillLinear(nn.Linear):
     """A Linear that can carry the drills' kinds of non-determinism."""
 
-    def __init__(self, n_in: int, n_out: int, *, grad_noise: bool, reorder: bool) -> None:
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        *,
+        grad_noise: bool,
+        reorder: bool,
+        everywhere: bool = False,
+    ) -> None:
         super().__init__(n_in, n_out)
         self.grad_noise = grad_noise
         self.reorder = reorder
+        self.noise: type[torch.autograd.Function] = _UlpNoiseEverywhere if everywhere else _UlpNoise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = _UlpNoise.apply(self.weight) if self.grad_noise else self.weight
+        weight = self.noise.apply(self.weight) if self.grad_noise else self.weight
         if not self.reorder:
             return nn.functional.linear(x, weight, self.bias)
         half = x.shape[-1] // 2  # the same sum, added in another order
@@ -142,9 +168,12 @@ def make_model(
     *,
     grad_noise: bool = False,
     reorder: bool = False,
+    noise_everywhere: bool = False,
 ) -> nn.Module:
     second: nn.Module = (
-        DrillLinear(width, width, grad_noise=grad_noise, reorder=reorder)
+        DrillLinear(
+            width, width, grad_noise=grad_noise, reorder=reorder, everywhere=noise_everywhere
+        )
         if grad_noise or reorder
         else nn.Linear(width, width)
     )
@@ -187,6 +216,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             drill.noise,
             grad_noise=drill.grad_noise,
             reorder=drill.reorder_rank == rank,
+            noise_everywhere=drill.grad_noise_everywhere,
         )
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank

@@ -37,7 +37,7 @@ from .protocol import (
     VerdictReport,
     encode_report,
 )
-from .replay import map_tensors
+from .replay import RngState, map_tensors
 from .reporter import Reporter, ReporterConfig
 from .topology import Topology, exchange_identities, local_node_name
 from .verdict import StepResult, Verdict
@@ -150,7 +150,7 @@ class Guard:
         self._replay_unavailable = False
         self._nondeterminism_reported = False
         self._reported_weight_suspects: tuple[int, ...] = ()
-        self._tolerance_logged: float | None = None
+        self._tolerance_logged: str | None = None
         # The newest step each verifying check vouched for; last_clean_step is the oldest.
         self._verified = {"weights": start_step, "replay": start_step}
 
@@ -307,10 +307,11 @@ class Guard:
 
     @property
     def gradient_tolerance(self) -> float | None:
-        """The replay audit's detection threshold in force: relative differences (of the
-        loss, or of a gradient tensor's statistics) up to it are taken for the job's
-        run-to-run noise. 0: the job has been bit-reproducible, any difference is
-        evidence. ``None``: no audit yet."""
+        """The replay audit's detection threshold in force for the gradients: relative
+        differences of a gradient tensor's statistics up to it are taken for the job's
+        run-to-run noise. 0: bit-reproducible so far, any difference is evidence.
+        ``None``: no audit yet. The loss has its own threshold, raised only by loss
+        differences (0 unless the forward itself varies); the agent log gives both."""
         noise = self._audit.noise
         return None if noise.bit_reproducible is None else noise.largest
 
@@ -543,14 +544,16 @@ class Guard:
         )
 
     def _log_tolerance(self) -> None:
-        now = self.gradient_tolerance
-        if now is None or now == self._tolerance_logged:
+        if self.gradient_tolerance is None:
+            return
+        now = self._audit.noise.describe()  # the loss's threshold and the gradients'
+        if now == self._tolerance_logged:
             return
         self._tolerance_logged = now
         log.log(
             logging.INFO if self.group_rank == 0 else logging.DEBUG,
             "sdc_agent: replay audit threshold: %s",
-            self._audit.noise.describe(),
+            now,
         )
 
     def after_optimizer_step(self, *, loss: torch.Tensor | float | None = None) -> StepResult:
@@ -922,8 +925,7 @@ class Guard:
         """One forward and backward that is not a step, so DDP rebuilds its buckets before
         the first real step after :meth:`restore`: gradients, RNG and buffers (BatchNorm
         statistics) are put back, no check runs, no step is counted."""
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        rng = RngState.capture(self.device)  # the model's generator, not cuda:0's
         buffers = [b.detach().clone() for b in self.model.buffers()]
         self._settling = True
         try:
@@ -933,9 +935,7 @@ class Guard:
         finally:
             self._settling = False
             self.optimizer.zero_grad(set_to_none=True)
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda)
+            rng.restore(self.device)
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), buffers, strict=True):
                     b.copy_(saved)

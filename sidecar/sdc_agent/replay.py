@@ -387,13 +387,16 @@ class Payload:
     between the loss and ``backward()``. ``None``: 1."""
 
     @classmethod
-    def capture(cls, batch: Any, *, copy: bool = False) -> Payload:
+    def capture(
+        cls, batch: Any, *, copy: bool = False, device: torch.device | None = None
+    ) -> Payload:
         """Record the RNG and autocast state now, right before the micro-batch's forward.
 
         With ``copy`` the batch's tensors are cloned, so a model or loss function that
-        changes its inputs in place cannot change what gets replayed.
+        changes its inputs in place cannot change what gets replayed. ``device``: the
+        model's (see :meth:`RngState.capture`).
         """
-        state = RngState.capture()
+        state = RngState.capture(device)
         if copy:
             batch = _map_tensors(batch, lambda t: t.detach().clone())
         return cls(batch, state.cpu, state.cuda, state.autocast)
@@ -428,9 +431,33 @@ class RngState:
     autocast: dict[str, tuple[bool, torch.dtype]]
 
     @classmethod
-    def capture(cls) -> RngState:
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    def capture(cls, device: torch.device | None = None) -> RngState:
+        """The state now. ``device``: the model's; its CUDA generator is the one its
+        dropout draws from (with ``device_ids=[r]`` and no ``set_device``, the current
+        device is ``cuda:0`` on every rank, not the model's). ``None``: the current CUDA
+        device; a CPU device: no CUDA state."""
+        cuda_device = _cuda_device(device)
+        cuda = None
+        if cuda_device is not None and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state(cuda_device)
         return cls(torch.get_rng_state(), cuda, _autocast_state())
+
+    def restore(self, device: torch.device | None = None) -> None:
+        """Put the generators back (the CUDA one on ``device``, as in :meth:`capture`)."""
+        _set_rng(self.cpu, self.cuda, device)
+
+
+def _cuda_device(device: torch.device | None) -> torch.device | str | None:
+    if device is None:
+        return "cuda"  # torch's default: the current device
+    return device if device.type == "cuda" else None
+
+
+def _set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None, device: torch.device | None) -> None:
+    torch.set_rng_state(cpu)
+    cuda_device = _cuda_device(device)
+    if cuda is not None and cuda_device is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(cuda, cuda_device)
 
 
 def exchange(
@@ -512,7 +539,7 @@ def replay(
     """
     keep = set() if keep is None else keep
     batch = _map_tensors(payload.batch, lambda t: t.to(device))
-    own = RngState.capture()
+    own = RngState.capture(device)
     buffers = [b.detach().clone() for b in module.buffers()]
     saved = [p.grad for p in params]
     seen: set[int] = set()
@@ -537,9 +564,7 @@ def replay(
         for p in params:
             p.grad = None
         handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
-        torch.set_rng_state(payload.rng_cpu)
-        if payload.rng_cuda is not None and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(payload.rng_cuda)
+        _set_rng(payload.rng_cpu, payload.rng_cuda, device)
         with forbid_collectives():
             with ExitStack() as stack:
                 for dev, (enabled, dtype) in payload.autocast.items():
@@ -561,9 +586,7 @@ def replay(
             h.remove()
         for p, g in zip(params, saved, strict=True):
             p.grad = g
-        torch.set_rng_state(own.cpu)
-        if own.cuda is not None:
-            torch.cuda.set_rng_state(own.cuda)
+        own.restore(device)
         with torch.no_grad():
             for b, old in zip(module.buffers(), buffers, strict=True):
                 b.copy_(old)

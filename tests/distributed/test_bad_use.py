@@ -73,6 +73,69 @@ def test_phases_out_of_order_raise_before_anything_is_applied() -> None:
     assert "no step is running" in errors["before_backward outside a step"]
 
 
+def _accumulation_shown_once(rank: int, world: int) -> dict[str, Any]:
+    """A loop with gradient accumulation that calls before_backward for the first
+    micro-batch only: with no_sync (the usual form), and with every micro-batch
+    all-reduced; then the same loops done right, which must raise nothing. The error
+    comes from inside backward, which leaves DDP's reducer mid-pass: a new model each."""
+    import contextlib
+
+    import torch
+
+    from sdc_agent import Guard, GuardConfig, SDCError
+
+    out: dict[str, Any] = {}
+    micro = [torch.randn(2, 4) for _ in range(3)]
+
+    def accumulate(name: str, *, use_no_sync: bool, show_all: bool, steps: int = 1) -> None:
+        ddp, opt = _model_and_optimizer()
+        config = GuardConfig(fingerprint_backend="eager", replay_every=1, weights_every=1)
+        guard = Guard(ddp, opt, _loss, config, reporter=None)
+        before = [p.detach().clone() for p in ddp.parameters()]
+        applied = []
+        try:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                for j, x in enumerate(micro):
+                    quiet = use_no_sync and j < len(micro) - 1
+                    with ddp.no_sync() if quiet else contextlib.nullcontext():
+                        loss = _loss(ddp, x)
+                        if show_all or j == 0:
+                            guard.before_backward(x, loss)
+                        (loss / len(micro)).backward()
+                if guard.before_optimizer_step():
+                    opt.step()
+                applied.append(guard.after_optimizer_step().applied)
+            out[name] = "no error"
+        except SDCError as exc:
+            out[name] = str(exc)
+        out[name + " applied"] = applied
+        out[name + " unchanged"] = all(
+            torch.equal(a, p) for a, p in zip(before, ddp.parameters(), strict=True)
+        )
+        out[name + " audits"] = guard.replay_stats.audits
+        out[name + " mismatches"] = guard.replay_stats.mismatches
+        guard.close()
+
+    accumulate("no_sync, shown once", use_no_sync=True, show_all=False)
+    accumulate("all-reduced, shown once", use_no_sync=False, show_all=False)
+    accumulate("no_sync, every one shown", use_no_sync=True, show_all=True, steps=3)
+    accumulate("all-reduced, every one shown", use_no_sync=False, show_all=True, steps=3)
+    return out
+
+
+def test_accumulation_with_before_backward_for_the_first_micro_batch_only_is_refused() -> None:
+    out = spawn_local(_accumulation_shown_once, ["n0", "n1"])[0]
+    for name in ("no_sync, shown once", "all-reduced, shown once"):
+        assert "call guard.before_backward(batch, loss) for every micro-batch" in out[name]
+        assert out[name + " unchanged"] is True and out[name + " applied"] == []
+    # Done right, the same loops raise nothing, apply every step and audit cleanly.
+    for name in ("no_sync, every one shown", "all-reduced, every one shown"):
+        assert out[name] == "no error"
+        assert out[name + " applied"] == [True, True, True]
+        assert (out[name + " audits"], out[name + " mismatches"]) == (3, 0)
+
+
 def _differing_settings(rank: int, world: int) -> str:
     from sdc_agent import ConfigError, Guard, GuardConfig
 

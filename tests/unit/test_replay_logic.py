@@ -13,6 +13,7 @@ from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
     Payload,
     Recheck,
+    RngState,
     choose_thirds,
     explain_mismatches,
     judge,
@@ -264,3 +265,99 @@ def test_a_collective_in_the_replayed_forward_raises_instead_of_hanging() -> Non
             lambda i, g: None,
         )
     assert torch.distributed.all_reduce.__name__ == "all_reduce"  # put back
+
+
+class _CudaGenerators:
+    """Stands in for torch.cuda's generator calls: one state per device, and a record of
+    which device each call named (no GPU needed)."""
+
+    def __init__(self, current: int = 0) -> None:
+        self.current = current
+        self.states: dict[int, torch.Tensor] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def _index(self, device: Any) -> int:
+        d = torch.device(device)
+        return self.current if d.index is None else d.index
+
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        i = self._index(device)
+        self.calls.append(("get", i))
+        return self.states.setdefault(i, torch.tensor([i], dtype=torch.uint8)).clone()
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = "cuda") -> None:
+        i = self._index(device)
+        self.calls.append(("set", i))
+        self.states[i] = state.clone()
+
+
+@pytest.fixture
+def cuda_generators(monkeypatch: pytest.MonkeyPatch) -> _CudaGenerators:
+    fake = _CudaGenerators(current=0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    return fake
+
+
+def test_the_cuda_generator_captured_and_restored_is_the_models_not_the_current_one(
+    cuda_generators: _CudaGenerators,
+) -> None:
+    # device_ids=[3] without set_device: the current device is cuda:0, the model's cuda:3.
+    model_device = torch.device("cuda", 3)
+    state = RngState.capture(model_device)
+    assert cuda_generators.calls == [("get", 3)]
+    assert state.cuda is not None and state.cuda.tolist() == [3]
+    cuda_generators.states[3] = torch.tensor([99], dtype=torch.uint8)  # dropout drew
+    state.restore(model_device)
+    assert cuda_generators.calls[-1] == ("set", 3)
+    assert cuda_generators.states[3].tolist() == [3]
+    assert 0 not in cuda_generators.states, "cuda:0's generator was never touched"
+    assert Payload.capture((), device=model_device).rng_cuda.tolist() == [3]  # type: ignore[union-attr]
+
+
+def test_a_model_on_the_cpu_carries_no_cuda_state(cuda_generators: _CudaGenerators) -> None:
+    state = RngState.capture(torch.device("cpu"))
+    assert state.cuda is None and cuda_generators.calls == []
+    RngState(state.cpu, torch.tensor([7], dtype=torch.uint8), {}).restore(torch.device("cpu"))
+    assert cuda_generators.calls == []
+
+
+def test_the_replay_restores_the_payloads_cuda_state_on_the_models_device(
+    cuda_generators: _CudaGenerators, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The replay itself runs on the CPU here; only the generator calls are checked.
+    torch.manual_seed(0)
+    model = TinyNet()
+    batch = {"inputs": [Batch(torch.randn(8, 4), torch.randn(8, 4))], "meta": "x"}
+    payload = Payload.capture(batch, device=torch.device("cuda", 2))
+    cuda_generators.calls.clear()
+    import sdc_agent.replay as replay_module
+
+    # The batch stays where it is (no GPU), while the replay is told the model's device.
+    monkeypatch.setattr(replay_module, "_map_tensors", lambda obj, fn: obj)
+    device = torch.device("cuda", 2)
+    replay(model, list(model.parameters()), loss_fn, payload, device, lambda i, g: None)
+    assert cuda_generators.calls == [("get", 2), ("set", 2), ("set", 2)]
+    assert 0 not in cuda_generators.states
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices (the model on cuda:1, the current device cuda:0)",
+)
+def test_on_two_gpus_a_dropout_model_on_cuda_1_replays_bit_for_bit() -> None:
+    device = torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1)).to(device)
+    batch = (torch.randn(8, 4, device=device),)
+    payload = Payload.capture(batch, device=device)
+
+    def fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return m(b[0]).square().mean()
+
+    loss = fn(model, batch)
+    replayed = replay(model, list(model.parameters()), fn, payload, device, lambda i, g: None)
+    assert torch.equal(replayed.view(torch.int32), loss.detach().view(torch.int32))
