@@ -999,9 +999,15 @@ def check(
     if clean["nodes_after"] != clean["nodes_before"]:
         problems.append("the clean run touched a node")
     bad = nodes[FAULTY_NODE]
-    incidents = faulty["incidents"]
-    if len(incidents) != 1:
-        return [*problems, f"expected one incident for the faulty run, found {len(incidents)}"]
+    # One incident, or more where a loaded machine let the job reach its next audit before
+    # the suspension landed: then every one names the faulty node, the first is checked.
+    incidents = sorted(faulty["incidents"], key=lambda i: int(i["spec"].get("detectionStep", 0)))
+    faulty["incidents"] = incidents
+    if not incidents:
+        return [*problems, "the faulty run raised no incident"]
+    elsewhere = [i["metadata"]["name"] for i in incidents if i.get("status", {}).get("node") != bad]
+    if elsewhere:
+        problems.append(f"incident(s) {elsewhere} name another node than {bad}")
     status = incidents[0].get("status") or {}
     spec = incidents[0]["spec"]
     if (status.get("node"), status.get("instanceId")) != (bad, instances[bad]):
@@ -1054,8 +1060,8 @@ def check_confirmation(
         problems.append("the verdict named no evidence bundle")
     pods = faulty["confirmation_pods"]
     ours = {k: v for k, v in pods.items() if not k.startswith("second-opinion-")}
-    if len(ours) != 1 or next(iter(ours.values()))["node"] != bad:
-        problems.append(f"expected one confirmation pod, on {bad}: {ours}")
+    if not ours or any(pod["node"] != bad for pod in ours.values()):
+        problems.append(f"expected the confirmation pods on {bad} only: {ours}")
     confirmed: dict[str, Any] = next(
         (c for c in status.get("conditions") or [] if c["type"] == "Confirmed"), {}
     )
