@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from .cluster import Cluster, OperatorProcess
+from .fake_sagemaker import FakeSageMaker
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +19,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield started
     finally:
         started.stop()
+
+
+@pytest.fixture
+def sagemaker() -> Iterator[FakeSageMaker]:
+    """The loopback SageMaker endpoint; the test fails if the operator sent it a request
+    botocore's model refuses."""
+    fake = FakeSageMaker()
+    yield fake
+    fake.stop()
+    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -387,14 +387,6 @@ def test_through_kubectl_and_the_contexts_namespace(
 def test_bad_usage(cluster: Cluster) -> None:
     done = sdc(cluster, "approve", "x", "--action", "explode")
     assert done.returncode == 2 and "invalid choice" in done.stderr
-
-
-@pytest.fixture
-def sagemaker() -> Iterator[FakeSageMaker]:
-    fake = FakeSageMaker()
-    yield fake
-    fake.stop()
-    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
 
 
 def test_approve_leads_the_operator_to_replace_the_node(

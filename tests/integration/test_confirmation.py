@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +56,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bundle_in(checkpoints: Path) -> str:
     (found,) = (checkpoints / "run" / "ckpt" / "sdc-evidence").iterdir()
     return str(found)
-
-
-@pytest.fixture
-def sagemaker() -> Iterator[FakeSageMaker]:
-    fake = FakeSageMaker()
-    yield fake
-    fake.stop()
-    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
 
 
 def with_volume(cluster: Cluster, job: Job, mount: Path) -> None:

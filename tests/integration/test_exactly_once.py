@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,14 +23,6 @@ from .test_containment import Job, make_job, send, verdict
 
 CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}
 REPLACE = "BatchReplaceClusterNodes"
-
-
-@pytest.fixture
-def sagemaker() -> Iterator[FakeSageMaker]:
-    fake = FakeSageMaker()
-    yield fake
-    fake.stop()
-    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
 
 
 def phase(cluster: Cluster, namespace: str, want: str, timeout: float = 30) -> dict[str, Any]:

@@ -4,10 +4,8 @@ calls go to a loopback SageMaker endpoint that checks them against botocore's mo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
 from sdc_operator.names import SUSPECT_KEY
@@ -17,14 +15,6 @@ from .fake_sagemaker import FakeSageMaker
 from .test_containment import Job, incident_in, make_job, send, verdict
 
 CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}
-
-
-@pytest.fixture
-def sagemaker() -> Iterator[FakeSageMaker]:
-    fake = FakeSageMaker()
-    yield fake
-    fake.stop()
-    assert fake.invalid == [], "the operator sent a request the SageMaker model refuses"
 
 
 def annotate(cluster: Cluster, incident: dict[str, Any], action: str) -> None:
