@@ -160,13 +160,22 @@ def test_a_one_ulp_forward_fault_shows_through_dense_gradient_noise(
     (first, *_) = accusations(r)
     assert first["step"] >= 33 and first["suspect_ranks"] == [SUSPECT] and first["localized"]
     assert first["transient"] is False
-    (mismatch, *_) = first["evidence"]["mismatches"]
-    assert mismatch["loss_tolerance"] == 0.0 and mismatch["loss_equal"] is False
-    assert mismatch["tolerance"] > 0, "the gradients' noise was learned"
-    # A last-bit difference a per-process kernel choice could make too: named, not
-    # corroborated (a confirmation decides), reported once, never by repetition.
-    assert first["corroborated"] is False
-    assert "kernel" in first["message"]
+    mismatches = first["evidence"]["mismatches"]
+    assert all(m["loss_tolerance"] == 0.0 for m in mismatches), "gradient noise raised it"
+    assert any(m["tolerance"] > 0 for m in mismatches), "the gradients' noise was learned"
+    if first["corroborated"]:
+        # The fault's trace in the gradients rose above the cap before any rounding-level
+        # sign (1 run in about 15): evidence, corroborated.
+        assert any(
+            m["gradient_relative_difference"] > 1e-6 or m["loss_relative_difference"] > 1e-6
+            for m in mismatches
+        ), mismatches
+    else:
+        # A last-bit difference in the loss, which a per-process kernel choice could make
+        # too: named, not corroborated (a confirmation decides), reported once, never by
+        # repetition.
+        assert any(m["loss_equal"] is False for m in mismatches), mismatches
+        assert "kernel" in first["message"]
     # Never again on rounding-level evidence (a repeat would quarantine); the same fault
     # may later show above the cap (its trace in the gradients plus the noise), which is
     # evidence, corroborated.
