@@ -645,7 +645,8 @@ class Actions:
             if is_conflict(exc):
                 pod = await self.kube.get("v1", "pods", namespace, name)
                 owners = [r.get("uid") for r in pod["metadata"].get("ownerReferences") or []]
-                if incident["metadata"].get("uid") not in owners:
+                ours = incident["metadata"].get("uid") in owners
+                if not ours or not confirmation.same_pod_spec(pod, body):
                     message = f"a pod named {name} exists and is not this incident's"
                     return self._not_confirmable("NameTaken", message, node, bundle)
                 how = "found (created before a restart or by the other replica)"
@@ -664,5 +665,9 @@ class Actions:
             "Succeeded",
             message,
             ("Confirmed", "Unknown", "Running", f"confirmation pod {name} on node {node}"),
-            {"confirmation": confirmation.running_record(name, node, bundle, created)},
+            {
+                "confirmation": confirmation.running_record(
+                    name, node, bundle, created, str((pod.get("metadata") or {}).get("uid") or "")
+                )
+            },
         )

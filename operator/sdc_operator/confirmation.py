@@ -51,6 +51,7 @@ __all__ = [
     "pod_name",
     "record",
     "running_record",
+    "same_pod_spec",
     "training_template",
 ]
 
@@ -298,8 +299,31 @@ def is_running(status: Mapping[str, Any]) -> bool:
     return (status.get("confirmation") or {}).get("outcome") == "running"
 
 
-def running_record(pod: str, node: str, bundle: str, at: str) -> dict[str, Any]:
-    return {"outcome": "running", "pod": pod, "node": node, "bundle": bundle, "createdAt": at}
+def running_record(
+    pod: str, node: str, bundle: str, at: str, uid: str | None = None
+) -> dict[str, Any]:
+    """The record of a confirmation pod just created; ``uid`` pins the result to that very
+    pod (a tenant may delete it and make another of the same name)."""
+    record = {"outcome": "running", "pod": pod, "node": node, "bundle": bundle, "createdAt": at}
+    if uid:
+        record["podUid"] = uid
+    return record
+
+
+def same_pod_spec(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """A pod found under our name is the one we would create: its containers run the same
+    images, commands and arguments, pinned to the same node. An owner reference alone
+    proves nothing (anyone who may create pods there can write one)."""
+
+    def shape(pod: Mapping[str, Any]) -> Any:
+        spec = pod.get("spec") or {}
+        containers = [
+            (c.get("name"), c.get("image"), c.get("command"), c.get("args"))
+            for c in spec.get("containers") or []
+        ]
+        return containers, spec.get("affinity")
+
+    return bool(shape(found) == shape(wanted))
 
 
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -426,6 +450,13 @@ def judge(
             return None
         why = f"the confirmation pod {confirmation.get('pod')} was deleted before it finished"
         return "unknown", "PodGone", why, base
+    uid = confirmation.get("podUid")
+    if uid and (pod.get("metadata") or {}).get("uid") != uid:
+        why = (
+            f"the confirmation pod {confirmation.get('pod')} was replaced by another pod of "
+            "the same name: its result is not the operator's"
+        )
+        return "unknown", "PodReplaced", why, base
     bound = (pod.get("spec") or {}).get("nodeName")
     if bound and bound != node:
         why = f"the confirmation pod ran on {bound}, not on the suspect node {node}"

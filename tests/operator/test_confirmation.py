@@ -303,6 +303,19 @@ def test_a_pod_that_does_not_start_is_given_up_with_the_reason() -> None:
     assert found is not None and found[:2] == ("unknown", "ImagePullFailed")
 
 
+def test_a_pod_made_again_under_our_name_is_not_believed() -> None:
+    """A tenant deletes the confirmation pod and makes one of the same name that exits 3
+    with a summary of its own: the result is read only from the pod the operator made."""
+    pinned = confirmation.running_record("sdc-confirm-x", "node-b", BUNDLE, AT, "u-ours")
+    forged = terminated(3, summary("confirmed", (1, "reproduces")))
+    forged["metadata"]["uid"] = "u-theirs"
+    judged = confirmation.judge(pinned, forged, NOW, start_seconds=600, deadline_seconds=3600)
+    assert judged is not None and judged[:2] == ("unknown", "PodReplaced")
+    forged["metadata"]["uid"] = "u-ours"
+    judged = confirmation.judge(pinned, forged, NOW, start_seconds=600, deadline_seconds=3600)
+    assert judged is not None and judged[0] == "confirmed"
+
+
 def test_timeouts_and_a_vanished_pod() -> None:
     deadline = pod(
         phase="Failed",
@@ -482,13 +495,23 @@ def test_the_pod_is_created_once_and_a_conflict_finds_it_or_says_whose_it_is() -
     made = start(kube)
     assert made.result == "Succeeded" and made.condition[:3] == ("Confirmed", "Unknown", "Running")
     assert made.fields["confirmation"]["outcome"] == "running" and len(kube.created) == 1
-    ours = {"metadata": {"name": "x", "ownerReferences": [{"uid": "inc-uid"}]}}
+    body = kube.created[0]
+    ours = {
+        **body,
+        "metadata": {"name": "x", "uid": "u-1", "ownerReferences": [{"uid": "inc-uid"}]},
+    }
     found = start(_Kube(ApiError(409, "exists"), ours))
     assert found.result == "Succeeded" and found.message.startswith("found")
-    theirs = {"metadata": {"name": "x", "ownerReferences": [{"uid": "someone"}]}}
-    taken = start(_Kube(ApiError(409, "exists"), theirs))
-    assert (taken.result, taken.reason) == ("Skipped", "NameTaken")
-    assert taken.fields["confirmation"]["outcome"] == "unknown"
+    assert found.fields["confirmation"]["podUid"] == "u-1"  # the result is read from it only
+    theirs = {**body, "metadata": {"name": "x", "ownerReferences": [{"uid": "someone"}]}}
+    # a tenant's pod of our name, owned by the incident (its uid is no secret), that runs
+    # another image: not ours either
+    other = copy.deepcopy(ours)
+    other["spec"]["containers"][0]["image"] = "tenant.example.com/says-confirmed:1"
+    for pod in (theirs, other):
+        taken = start(_Kube(ApiError(409, "exists"), pod))
+        assert (taken.result, taken.reason) == ("Skipped", "NameTaken")
+        assert taken.fields["confirmation"]["outcome"] == "unknown"
     refused = start(_Kube(ApiError(403, "forbidden: pods create")))
     assert (refused.result, refused.condition[2]) == ("Skipped", "CouldNotCreate")
     with pytest.raises(ApiError):  # a server error is retried: the action stays Pending
