@@ -83,15 +83,13 @@ def _iso(unix: float) -> str:
     )
 
 
-NOW = _iso(time.time())
-
-
 def pod(**meta: Any) -> dict[str, Any]:
     base = {
         "namespace": "ml",
         "name": "train-worker-0",
         "ownerReferences": [{"uid": "job-uid", "controller": True}],
-        "creationTimestamp": NOW,  # the API server's, moments after the webhook signed
+        # the API server's, moments after the webhook signed
+        "creationTimestamp": _iso(time.time()),
     }
     return {"metadata": {**base, **meta}}
 
