@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from sdc_agent.protocol import CHECKS, CLASSIFICATIONS
+
 __all__ = ["Metrics"]
 
 _JOB = ["namespace", "job"]
@@ -140,6 +142,15 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        # Series the alert rules take increase() of exist from the start, at 0: a counter
+        # whose first sample is already 1 shows no increase, and its first (often only)
+        # incident would never fire an alert.
+        for check in CHECKS:
+            for classification in CLASSIFICATIONS:
+                self.incidents.labels(check, classification)
+        self.actions.labels("resume-job", "Skipped")
+        for outcome in ("confirmed", "not-confirmed", "unknown"):
+            self.confirmations.labels(outcome)
         self.retention_deleted = Counter(
             "hyperpod_sdc_incidents_deleted",
             "Incidents deleted by retention, by why (closed, job_deleted).",

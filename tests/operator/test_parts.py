@@ -305,3 +305,20 @@ def test_a_remembered_rejection_keeps_no_request_alive() -> None:
     assert len({id(r) for r in refusals}) == len(refusals)
     depths = {len(traceback.extract_tb(r.__traceback__)) for r in refusals[1:]}
     assert len(depths) == 1, depths  # a traceback that does not grow with every repeat
+
+
+def test_the_series_alerts_take_the_increase_of_exist_from_the_start() -> None:
+    """A counter whose first sample is already 1 shows Prometheus no increase: the first
+    incident after a start (often the only one) would fire no alert."""
+    from prometheus_client import generate_latest
+
+    from sdc_operator.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    for series in (
+        'hyperpod_sdc_incidents_total{check="replay",classification="rank"} 0.0',
+        'hyperpod_sdc_incidents_total{check="nonfinite",classification="collective"} 0.0',
+        'hyperpod_sdc_actions_total{action="resume-job",result="Skipped"} 0.0',
+        'hyperpod_sdc_confirmations_total{outcome="confirmed"} 0.0',
+    ):
+        assert series in text, series
