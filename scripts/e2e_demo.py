@@ -60,6 +60,7 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.integration.fake_sagemaker import FakeSageMaker  # noqa: E402
+from tests.tls import ca_and_certificate  # noqa: E402
 
 PYTHON = sys.executable
 NAMESPACE = "ml"
@@ -160,63 +161,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A CA and the operator's certificate for 127.0.0.1: (CA, certificate, key)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca = directory / "ca.key", directory / "ca.crt"
-    key, csr, cert = directory / "tls.key", directory / "tls.csr", directory / "tls.crt"
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=hyperpod-sdc-demo-ca",
-        "-keyout",
-        str(ca_key),
-        "-out",
-        str(ca),
-    )
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca),
-        "-CAkey",
-        str(ca_key),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        str(directory / "san.ext"),
-        "-out",
-        str(cert),
-    )
-    return ca, cert, key
 
 
 class OperatorProcess:
@@ -1143,7 +1087,7 @@ def main() -> int:
         nodes = list(instances)
         admit_namespace(server)
         trainer = training_operator(server, base)
-        tls = make_certificates(base / "tls")
+        tls = ca_and_certificate(base / "tls", "operator")
         op = OperatorProcess(server, base / "operator.log", tls, sagemaker.env())
         register_webhook(server, op.url, tls[0])
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")

@@ -13,7 +13,6 @@ import json
 import re
 import secrets
 import ssl
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +27,7 @@ from kubernetes import client
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
 from sdc_operator.injection import INJECTION_ANNOTATION
 from tests.chart.test_chart import render
+from tests.tls import issue, make_ca
 
 from .cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
 
@@ -37,67 +37,6 @@ KUBEFLOW = {"training.kubeflow.org/operator-name": "pytorchjob-controller"}
 
 
 # -- certificates: a CA and the operator's certificate for 127.0.0.1 -----------------------
-
-
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def make_ca(directory: Path, name: str = "ca") -> tuple[Path, Path]:
-    key, cert = directory / f"{name}.key", directory / f"{name}.crt"
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        f"/CN=hyperpod-sdc-test-{name}",
-        "-keyout",
-        str(key),
-        "-out",
-        str(cert),
-    )
-    return key, cert
-
-
-def issue(directory: Path, ca: tuple[Path, Path], name: str = "tls") -> tuple[Path, Path]:
-    """A serving certificate for 127.0.0.1 signed by ``ca`` (key, certificate)."""
-    key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
-    ext = directory / f"{name}.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca[1]),
-        "-CAkey",
-        str(ca[0]),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        str(ext),
-        "-out",
-        str(cert),
-    )
-    return key, cert
 
 
 # -- the webhook as the chart renders it ------------------------------------------------------

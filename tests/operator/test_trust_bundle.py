@@ -6,68 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import ssl
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from sdc_operator.trust_bundle import FileStamp, ServingCertificate
-
-
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def pair(directory: Path, name: str) -> tuple[Path, Path, Path]:
-    """(CA, certificate for 127.0.0.1 signed by it, key)."""
-    ca_key, ca = directory / f"{name}-ca.key", directory / f"{name}-ca.crt"
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}-ca",
-        "-keyout",
-        str(ca_key),
-        "-out",
-        str(ca),
-    )
-    key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca),
-        "-CAkey",
-        str(ca_key),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        str(directory / "san.ext"),
-        "-out",
-        str(cert),
-    )
-    return ca, cert, key
+from tests.tls import ca_and_certificate
 
 
 def handshake(server: ssl.SSLContext, trusted_ca: Path) -> bool:
@@ -99,7 +43,7 @@ def handshake(server: ssl.SSLContext, trusted_ca: Path) -> bool:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the certificates")
 def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path) -> None:
-    first, second = pair(tmp_path, "first"), pair(tmp_path, "second")
+    first, second = ca_and_certificate(tmp_path, "first"), ca_and_certificate(tmp_path, "second")
     live = tmp_path / "live"
     live.mkdir()
     shutil.copy(first[1], live / "tls.crt")

@@ -22,6 +22,7 @@ from sdc_agent.protocol import (
     parse_report,
 )
 from sdc_agent.reporter import Reporter, ReporterConfig
+from tests.tls import ca_and_certificate
 
 ME = ReporterIdentity(rank=0, node="hyperpod-i-0abc", pod="job-worker-0")
 
@@ -275,65 +276,6 @@ def test_overdue_counts_from_the_oldest_undelivered_verdict(port: int, token: Pa
         operator.stop()
 
 
-def _openssl(*args: str) -> None:
-    import subprocess
-
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def _ca_and_certificate(directory: Path, name: str) -> tuple[Path, Path, Path]:
-    """(CA certificate, server certificate for 127.0.0.1 signed by it, its key)."""
-    ca_key, ca = directory / f"{name}-ca.key", directory / f"{name}-ca.crt"
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}-ca",
-        "-keyout",
-        str(ca_key),
-        "-out",
-        str(ca),
-    )
-    key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
-    ext = directory / f"{name}.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca),
-        "-CAkey",
-        str(ca_key),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        str(ext),
-        "-out",
-        str(cert),
-    )
-    return ca, cert, key
-
-
 def _project(directory: Path, version: str, ca: Path) -> None:
     """Update ``directory/ca.crt`` as the kubelet updates a mounted ConfigMap: the new
     content in a new directory, then one rename of the ``..data`` symlink."""
@@ -355,8 +297,8 @@ def test_a_rotated_ca_bundle_is_read_again(port: int, token: Path, tmp_path: Pat
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make the test certificates")
-    first = _ca_and_certificate(tmp_path, "first")
-    second = _ca_and_certificate(tmp_path, "second")
+    first = ca_and_certificate(tmp_path, "first")
+    second = ca_and_certificate(tmp_path, "second")
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(first[1], first[2])
     operator = Operator(port)
