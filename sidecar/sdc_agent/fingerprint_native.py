@@ -79,25 +79,7 @@ static void fold(u64 *W, u64 *P, u64 g, u64 V, u64 Q, const int64_t *A, const in
         P += v;                                                     \
     }
 
-#define NARROW(NAME, T, V, Q)                                       \
-static void NAME(const T *x, int64_t n, u64 base, u64 *W_, u64 *P_) { \
-    u64 W = 0, P = 0;                                               \
-    int64_t i = 0;                                                  \
-    while (i + V <= n) {                                            \
-        int64_t q_end = (n - i) / V;                                \
-        if (q_end > Q) q_end = Q;                                   \
-        int32_t A[V] = {0}, B[V] = {0};                             \
-        const T *p = x + i;                                         \
-        for (int64_t q = 0; q < q_end; q++, p += V)                 \
-            for (int l = 0; l < V; l++) { A[l] += p[l]; B[l] += A[l]; } \
-        int64_t A64[V], B64[V];                                     \
-        for (int l = 0; l < V; l++) { A64[l] = A[l]; B64[l] = B[l]; } \
-        fold(&W, &P, base + (u64)i, V, (u64)q_end, A64, B64);       \
-        i += q_end * V;                                             \
-    }                                                               \
-    TAIL(T)                                                         \
-    *W_ += W; *P_ += P;                                             \
-}
+#define NARROW(NAME, T, V, Q) WIDE(NAME, T, V, Q, int32_t)
 
 #define WIDE(NAME, T, V, Q, ACC)                                    \
 static void NAME(const T *x, int64_t n, u64 base, u64 *W_, u64 *P_) { \
