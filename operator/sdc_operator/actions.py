@@ -107,9 +107,10 @@ class Actions:
         self._reserved: dict[str, set[str]] = {}
         """Nodes an incident is about to quarantine, counted against the caps."""
         self._remediation = asyncio.Lock()
-        self._requested: dict[tuple[str, str, str], str] = {}
-        """(action, node, boot id) -> the incident whose request SageMaker accepted, for
-        the time until that incident's status shows it."""
+        self._requested: dict[tuple[str, str, str], tuple[str, bool]] = {}
+        """(action, node, boot id) -> (the incident that made the request, whether
+        SageMaker accepted it; ``False``: no answer yet), for the time until that
+        incident's status shows the result."""
 
     # -- the three entry points ------------------------------------------------------------
 
@@ -251,13 +252,38 @@ class Actions:
                 return Outcome("Succeeded", done)
         patch = jobs.suspend_patch(job)
         if patch is None:
-            return Outcome("Succeeded", "runPolicy.suspend was already true")
+            return Outcome(
+                "Succeeded", "runPolicy.suspend was already true", reason=incidents.ALREADY_STOPPED
+            )
         await self._patch_job(job, patch)
         message = f"set runPolicy.suspend=true: suspected silent data corruption ({_ref(incident)})"
         await self._emit(job, "SDCJobSuspended", message, True)
         return Outcome("Succeeded", "set runPolicy.suspend=true")
 
+    def _held(self, incident: dict[str, Any]) -> Outcome | None:
+        """Where another open incident of the job holds it stopped (the per-job hold
+        ledger, :func:`incidents.job_holders`, read from the incident cache): wait while
+        that incident's containment is in progress, else leave the job stopped for a
+        person. ``None`` where nothing holds it."""
+        uid = str(incident["spec"]["job"]["uid"])
+        holders = incidents.job_holders(incident, self.caches.incidents_of(uid))
+        final = [name for name, waits in holders if not waits]
+        if final:
+            message = (
+                f"incident(s) {', '.join(final)} of this job stopped it and did not quarantine "
+                "their suspect nodes (or were not allowed to resume it): the job stays "
+                "suspended until a person decides"
+            )
+            return Outcome("Skipped", message, ("Resumed", "False", "HeldByIncident", message))
+        if holders:
+            names = ", ".join(name for name, _ in holders)
+            return Outcome(UNKNOWN, f"not resuming yet: incident(s) {names} still contain the job")
+        return None
+
     async def _resume_job(self, incident: dict[str, Any]) -> Outcome:
+        held = self._held(incident)
+        if held is not None:
+            return held
         job, why = await self._job(incident)
         if job is None:
             return Outcome("Skipped", why, ("Resumed", "False", "JobGone", why))
@@ -566,7 +592,9 @@ class Actions:
             # Two incidents of one node (a job caught twice before it stopped) ask for the
             # same replacement: one call. Checked and called under one lock.
             async with self._remediation:
-                other = self._requested_elsewhere(incident, action, boot)
+                other, pending = self._requested_elsewhere(incident, action, boot)
+                if other is not None and pending:
+                    return await self._verify_elsewhere(kind, cluster, instance, node_name, other)
                 if other is not None:
                     message = (
                         f"the {kind} of {node_name} ({instance}) was requested already by "
@@ -574,8 +602,11 @@ class Actions:
                     )
                     return self._remediated(kind, message)
                 ok, message = await self.hyperpod.remediate(kind, cluster, instance)
-                if ok:
-                    self._requested[(action.action, node_name, boot)] = _ref(incident)
+                made = (action.action, node_name, boot)
+                if ok is False:  # refused: nothing was done, and anyone may ask again
+                    self._requested.pop(made, None)
+                else:
+                    self._requested[made] = (_ref(incident), bool(ok))
             if ok is None:
                 return Outcome(UNKNOWN, message)
             if not ok:
@@ -586,13 +617,25 @@ class Actions:
 
     def _requested_elsewhere(
         self, incident: dict[str, Any], action: Action, boot: str
-    ) -> str | None:
-        """Another incident whose same request for this node (this boot of it: a node
-        rebooted since may need another) SageMaker accepted, or ``None``."""
+    ) -> tuple[str | None, bool]:
+        """The per-instance request ledger: another incident that made the same request
+        for this node (this boot of it: a node rebooted since may need another), and
+        whether its fate is still open. ``(None, False)`` where none did.
+
+        A request SageMaker accepted is a ``Succeeded`` record (or, until that is written,
+        in memory). One made and not answered (``Unknown``: in memory, and ``Pending`` in
+        its incident's status), or recorded ``Pending`` earlier than this incident's own,
+        counts as made too: the status survives a restart, and the request is verified
+        with ``DescribeClusterNode``, never made again by a second incident. The incident
+        that called (else the earliest ``Pending`` one) is the one that may call again."""
         ref = _ref(incident)
-        found = self._requested.get((action.action, action.target, boot))
-        if found is not None and found != ref:
-            return found
+        made = self._requested.get((action.action, action.target, boot))
+        if made is not None and made[0] != ref:
+            return made[0], not made[1]
+        mine = incidents.pending_entry(incident.get("status") or {}, action) or {}
+        calls = made is not None  # this incident called: it verifies its own request
+        mine_at = str(mine.get("at") or now_iso())
+        earliest: tuple[str, str] | None = None
         for other in self.caches.incidents.values():
             if _ref(other) == ref:
                 continue
@@ -600,11 +643,43 @@ class Actions:
                 if (entry.get("action"), entry.get("target")) != (action.action, action.target):
                     continue
                 same_boot = str((entry.get("intent") or {}).get("bootID") or "") == boot
-                if entry.get("result") == "Succeeded" and (
-                    action.action != "reboot-node" or same_boot
-                ):
-                    return _ref(other)
-        return None
+                if action.action == "reboot-node" and not same_boot:
+                    continue
+                if entry.get("result") == "Succeeded":
+                    return _ref(other), False
+                if entry.get("result") == incidents.PENDING and not calls:
+                    at = str(entry.get("at") or "")
+                    if (at, _ref(other)) < (mine_at, ref) and (
+                        earliest is None or (at, _ref(other)) < earliest
+                    ):
+                        earliest = (at, _ref(other))
+        if earliest is not None:
+            return earliest[1], True
+        return None, False
+
+    async def _verify_elsewhere(
+        self, kind: str, cluster: str, instance: str, node_name: str, other: str
+    ) -> Outcome:
+        """Another incident's request for this node has no answer yet: what
+        ``DescribeClusterNode`` shows of it; ``Unknown`` (asked again later, nothing
+        called) until it shows the request taken."""
+        assert self.hyperpod is not None
+        try:
+            described = await self.hyperpod.describe(cluster, instance)
+        except Exception as exc:  # botocore's errors are many; asked again later
+            return Outcome(UNKNOWN, f"DescribeClusterNode({cluster}, {instance}) failed: {exc}")
+        if took_effect(kind, described):
+            status = ((described or {}).get("InstanceStatus") or {}).get("Status", "NotFound")
+            message = (
+                f"the {kind} of {node_name} ({instance}) was requested already by incident "
+                f"{other} (DescribeClusterNode: {status}); not calling again"
+            )
+            return self._remediated(kind, message)
+        return Outcome(
+            UNKNOWN,
+            f"the {kind} of {node_name} ({instance}) requested by incident {other} is not "
+            "answered yet; waiting for it, not calling again",
+        )
 
     # -- confirmation ----------------------------------------------------------------------
 

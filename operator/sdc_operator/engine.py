@@ -641,7 +641,7 @@ class IncidentEngine:
             "Failed",
         ):
             # Given up before it ended: it must not start later and hold the node's GPUs.
-            await self._delete_pod(key[0], str(pod["metadata"]["name"]))
+            await self._delete_pod(pod, str(wanted.get("podUid") or "") if wanted else "")
         await self._confirmation_said(written, outcome, rules, condition)
         return True
 
@@ -668,11 +668,19 @@ class IncidentEngine:
         await self._emit(self.containment, incident, reason, message, outcome != "not-confirmed")
         log.warning("incident %s/%s: confirmation %s: %s", *_key_of(incident), outcome, message)
 
-    async def _delete_pod(self, namespace: str, name: str) -> None:
+    async def _delete_pod(self, pod: dict[str, Any], uid: str) -> None:
+        """Delete the confirmation pod by its uid (the one recorded when it was created,
+        else the cache's): a pod made since under its name (by a tenant, or a later
+        confirmation) is not deleted (409)."""
+        meta = pod["metadata"]
+        namespace, name = str(meta.get("namespace", "")), str(meta["name"])
+        uid = uid or str(meta.get("uid") or "")
         try:
-            await self.containment.delete("v1", "pods", namespace, name)
+            await self.containment.delete("v1", "pods", namespace, name, uid=uid or None)
         except ApiError as exc:
-            if not is_not_found(exc):
+            if is_conflict(exc):
+                log.info("confirmation pod %s/%s was replaced since; left alone", namespace, name)
+            elif not is_not_found(exc):
                 log.warning("could not delete confirmation pod %s/%s: %s", namespace, name, exc)
 
     async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:

@@ -72,6 +72,9 @@ class Operator:
         self.records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         self.coordination = Kube(endpoint, name="election", pool_size=2, metrics=metrics)
+        # The member Leases (every few seconds, and a LIST on the leader) have their own
+        # pool: a slow one must not hold up a renewal.
+        self.membership = Kube(endpoint, name="members", pool_size=2, metrics=metrics)
         self.engine_ready = False
         self.caches = Caches(
             self.watches,
@@ -93,7 +96,7 @@ class Operator:
         self.key: AttestationKey | None = None
         self.elector: LeaderElector | None = None
         self.members = Members(
-            self.coordination,
+            self.membership,
             settings.namespace,
             settings.lease_name,
             settings.identity,
@@ -217,11 +220,11 @@ class Operator:
         self._every(RETENTION_EVERY_SECONDS, self._retention, first=min(5.0, s.resync_seconds))
 
     def _lead(self) -> None:
-        self.metrics.leader.set(1)
+        self.metrics.lead(True)
         self.engine.become_leader()
 
     def _follow(self) -> None:
-        self.metrics.leader.set(0)
+        self.metrics.lead(False)
         self.engine.become_standby()
 
     def _every(
@@ -248,6 +251,9 @@ class Operator:
         """Publish what this replica heard; the leader reads the others and posts an Event
         on each job that went silent."""
         s = self.settings
+        # Every replica forgets jobs that stopped or went away (else a standby's
+        # heartbeat_age for a deleted job would grow for a day).
+        self.heartbeats.prune(self._running)
         self.heartbeats.refresh(window=s.heartbeat_silence_seconds)
         if s.leader_election:
             await self.members.publish()
@@ -309,7 +315,14 @@ class Operator:
         await self.engine.close()
         await self.caches.stop()
         self.hyperpod.close()
-        for kube in (self.watches, self.lookups, self.records, self.containment, self.coordination):
+        for kube in (
+            self.watches,
+            self.lookups,
+            self.records,
+            self.containment,
+            self.coordination,
+            self.membership,
+        ):
             await kube.close()
 
 

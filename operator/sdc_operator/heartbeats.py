@@ -115,6 +115,14 @@ class Heartbeats:
         self.metrics.silent_jobs.set(sum(b.silent for b in self.jobs.values()))
         return went, came
 
+    def prune(self, running: Callable[[JobRef], bool]) -> None:
+        """Forget the jobs that are not running (stopped, deleted) or were not heard for a
+        day, and their gauges (every replica; :meth:`silent` does it on the leader too)."""
+        now = self.clock()
+        for uid, beats in list(self.jobs.items()):
+            if not running(beats.job) or now - beats.last > _FORGET_SECONDS:
+                self._forget(uid)
+
     def _forget(self, uid: str) -> None:
         beats = self.jobs.pop(uid, None)
         if beats is None:

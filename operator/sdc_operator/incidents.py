@@ -52,6 +52,7 @@ __all__ = [
     "fold_report",
     "incident_name",
     "is_closed",
+    "job_holders",
     "last_activity",
     "new_incident",
     "needs_bundle_note",
@@ -824,6 +825,82 @@ def job_stopped_at(incident: dict[str, Any]) -> str | None:
         if entry.get("action") == "suspend-job" and entry.get("result") == "Succeeded":
             return str(entry.get("at"))
     return None
+
+
+ALREADY_STOPPED = "AlreadyStopped"
+"""The reason of a ``suspend-job`` that found the job stopped already (by another incident,
+or a person): it stopped nothing, so it does not end the holds of earlier stops."""
+
+
+def _stops(incident: dict[str, Any]) -> list[tuple[datetime, bool]]:
+    """(when, whether it found the job running) of each ``suspend-job`` that succeeded."""
+    found = []
+    for entry in (incident.get("status") or {}).get("actions") or []:
+        if entry.get("action") != "suspend-job" or entry.get("result") != "Succeeded":
+            continue
+        try:
+            at = parse_time(str(entry.get("at")))
+        except ValueError:
+            continue
+        already = entry.get("reason") == ALREADY_STOPPED or "already" in str(
+            entry.get("message") or ""
+        )
+        found.append((at, not already))
+    return found
+
+
+def job_holders(
+    incident: dict[str, Any], others: Iterable[dict[str, Any]]
+) -> list[tuple[str, bool]]:
+    """The job's other incidents that hold it stopped, so that ``incident`` must not
+    resume it: each as (name, whether its hold may end by itself).
+
+    An incident holds its job from its ``suspend-job`` until its own ``resume-job``
+    succeeds. Its hold ends by itself where its containment is still in progress (phase
+    ``Detected``: it may yet quarantine its nodes and resume the job itself); it is for a
+    person to end where it stopped the job for good: contained without quarantining its
+    nodes (``QuarantineCapReached``, ``NotQuarantined``, ``JobStoppedNotLocalized``,
+    ``Storm``), or its own resume was refused. An incident that quarantined its nodes and
+    has not decided about the resume yet does not hold (it resumes the job itself, or
+    would let it run), nor does one released after review. A hold ends, too, where the job
+    was found running after it (a later ``suspend-job`` of any incident of the job that
+    stopped it again): a person restarted it."""
+    spec = incident.get("spec") or {}
+    uid = (spec.get("job") or {}).get("uid")
+    name = (incident.get("metadata") or {}).get("name")
+    namespace = (incident.get("metadata") or {}).get("namespace")
+    family = [
+        o
+        for o in others
+        if ((o.get("spec") or {}).get("job") or {}).get("uid") == uid
+        and (o.get("metadata") or {}).get("namespace") == namespace
+    ]
+    restarts = [at for o in [incident, *family] for at, real in _stops(o) if real]
+    holders = []
+    for other in family:
+        other_name = str((other.get("metadata") or {}).get("name"))
+        if other_name == name:
+            continue
+        status = other.get("status") or {}
+        stops = [at for at, _ in _stops(other)]
+        if not stops or status.get("phase") in ("Released", "DryRun"):
+            continue
+        stopped = max(stops)
+        if any(at > stopped for at in restarts):
+            continue  # the job ran again after this stop: that hold was ended by hand
+        resume = [
+            a.get("result") for a in status.get("actions") or [] if a.get("action") == "resume-job"
+        ]
+        if "Succeeded" in resume:
+            continue
+        if status.get("phase") == "Detected":
+            holders.append((other_name, True))
+            continue
+        contained = _condition(status, "Contained")
+        if contained.get("reason") == "NodeQuarantined" and "Skipped" not in resume:
+            continue
+        holders.append((other_name, False))
+    return sorted(holders)
 
 
 def last_activity(incident: dict[str, Any]) -> datetime | None:

@@ -9,7 +9,8 @@ and is looked for again every ``absent_retry_seconds``.
 
 Writes the operator makes itself are put into the cache at once (:meth:`Informer.upsert`)
 with the object the API server answered, so a decision made right after a write sees it;
-the watch event that follows changes nothing unless it is newer.
+the watch event that follows changes nothing unless it is newer, and a LIST (a re-list after
+an expired watch) removes only what its snapshot is newer than.
 """
 
 from __future__ import annotations
@@ -220,7 +221,14 @@ class Informer:
             token = meta.get("continue") or ""
             if not token:
                 break
+        # What the list did not show is gone, unless it is newer than the list's snapshot:
+        # the operator's own write (upsert) or a watch event that came in while the pages
+        # were read. Removing that would make a write vanish until the next event.
+        snapshot = _version({"metadata": {"resourceVersion": version}})
         for key in [k for k in self.items if k not in seen]:
+            found = _version(self.items[key])
+            if snapshot is not None and found is not None and found > snapshot:
+                continue
             self._remove(key)
         self.resource_version = version
         self.absent = False

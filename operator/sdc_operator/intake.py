@@ -40,6 +40,7 @@ from sdc_agent.protocol import (
     CheckpointReport,
     HeartbeatReport,
     ResumeReport,
+    Suspect,
     VerdictReport,
     parse_report,
 )
@@ -493,48 +494,17 @@ class Intake:
         instances: dict[str, str | None] = {}
         for i, suspect in enumerate(report.suspects):
             field = f"suspects[{i}]"
-            if suspect.pod is not None:
-                pod = by_name.get(suspect.pod)
-                if pod is None:
-                    raise Refusal(
-                        422,
-                        "unknown_suspect",
-                        f"{field}.pod: rank {suspect.rank}'s pod {suspect.pod!r} is not a pod of "
-                        f"{ref.kind} {ref.namespace}/{ref.name}",
-                    )
-            else:
-                on_node = [
-                    p for p in job_pods if (p.get("spec") or {}).get("nodeName") == suspect.node
-                ]
-                if len(on_node) != 1:
-                    raise Refusal(
-                        422,
-                        "unknown_suspect",
-                        f"{field}.node: {len(on_node)} pods of {ref.kind} "
-                        f"{ref.namespace}/{ref.name} run on node {suspect.node!r}; name the pod",
-                    )
-                pod = on_node[0]
+            try:
+                pod = self._suspect_pod(ref, suspect, field, job_pods, by_name, job)
+            except Refusal:
+                # The cache may be behind the API server (a pod just made, moved or started):
+                # the suspect's pod is read again before the report is refused for it.
+                fresh = await self._reread_suspect(ref, suspect)
+                if fresh is None:
+                    raise
+                by_name[fresh["metadata"]["name"]] = fresh
+                pod = self._suspect_pod(ref, suspect, field, [fresh], by_name, job)
             node = (pod.get("spec") or {}).get("nodeName") or ""
-            if node != suspect.node:
-                raise Refusal(
-                    422,
-                    "unknown_suspect",
-                    f"{field}.node: pod {pod['metadata']['name']} runs on node "
-                    f"{node or '(none)'!r}, not {suspect.node!r}",
-                )
-            problem = self._why_not_genuine(pod, job or None)
-            if problem is not None:
-                raise Refusal(422, "unknown_suspect", f"{field}: {problem[1]}")
-            phase = (pod.get("status") or {}).get("phase")
-            if phase not in RAN_PHASES:
-                # A pod bound to a node that never ran it there (the kubelet refused it:
-                # no free GPU, say) says nothing about that node's hardware.
-                raise Refusal(
-                    422,
-                    "unknown_suspect",
-                    f"{field}: pod {pod['metadata']['name']} is {phase or 'without a phase'}, "
-                    f"so it never ran on node {node!r}",
-                )
             if node not in instances:
                 instances[node] = await self._instance(node)
             resolved.append(
@@ -548,6 +518,74 @@ class Intake:
                 )
             )
         return resolved
+
+    def _suspect_pod(
+        self,
+        ref: JobRef,
+        suspect: Suspect,
+        field: str,
+        job_pods: list[dict[str, Any]],
+        by_name: dict[str, dict[str, Any]],
+        job: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The suspect's pod, as the pods given have it: a genuine pod of the job, on the
+        node the suspect names, that ran there; else ``Refusal(422)`` saying why not."""
+        if suspect.pod is not None:
+            pod = by_name.get(suspect.pod)
+            if pod is None:
+                raise Refusal(
+                    422,
+                    "unknown_suspect",
+                    f"{field}.pod: rank {suspect.rank}'s pod {suspect.pod!r} is not a pod of "
+                    f"{ref.kind} {ref.namespace}/{ref.name}",
+                )
+        else:
+            on_node = [p for p in job_pods if (p.get("spec") or {}).get("nodeName") == suspect.node]
+            if len(on_node) != 1:
+                raise Refusal(
+                    422,
+                    "unknown_suspect",
+                    f"{field}.node: {len(on_node)} pods of {ref.kind} "
+                    f"{ref.namespace}/{ref.name} run on node {suspect.node!r}; name the pod",
+                )
+            pod = on_node[0]
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if node != suspect.node:
+            raise Refusal(
+                422,
+                "unknown_suspect",
+                f"{field}.node: pod {pod['metadata']['name']} runs on node "
+                f"{node or '(none)'!r}, not {suspect.node!r}",
+            )
+        problem = self._why_not_genuine(pod, job or None)
+        if problem is not None:
+            raise Refusal(422, "unknown_suspect", f"{field}: {problem[1]}")
+        phase = (pod.get("status") or {}).get("phase")
+        if phase not in RAN_PHASES:
+            # A pod bound to a node that never ran it there (the kubelet refused it:
+            # no free GPU, say) says nothing about that node's hardware.
+            raise Refusal(
+                422,
+                "unknown_suspect",
+                f"{field}: pod {pod['metadata']['name']} is {phase or 'without a phase'}, "
+                f"so it never ran on node {node!r}",
+            )
+        return pod
+
+    async def _reread_suspect(self, ref: JobRef, suspect: Suspect) -> dict[str, Any] | None:
+        """The suspect's named pod as the API server has it now, put into the cache, where
+        it is a pod of the job; ``None`` where the report names no pod or the pod is not
+        the job's (no read: a node alone cannot be read without listing the namespace)."""
+        name = suspect.pod
+        if name is None:
+            return None
+        found = await self._read_once(
+            ("pod", ref.namespace, name), lambda: self.lookups.get_pod(ref.namespace, name)
+        )
+        if found is None or (jobs.job_owner(found) or {}).get("uid") != ref.uid:
+            return None
+        self.caches.pods.upsert(found)
+        return self.caches.pods.get(ref.namespace, name) or found
 
     async def _instance(self, node_name: str) -> str | None:
         node = self.caches.nodes.get(None, node_name)

@@ -8,7 +8,8 @@ each replica, and this module decides which one acts (patches, SageMaker calls).
 
 - The leader renews the Lease every ``lease_seconds / 5``. If it cannot renew for
   ``0.7 * lease_seconds`` it stops acting, before anyone else may take over; a renewal
-  that hangs is abandoned at that deadline.
+  that hangs is abandoned at that deadline. A renewal counts from when it was sent, so a
+  late answer does not lengthen the term.
 - A standby takes over when the Lease has not changed for ``lease_seconds`` on its own
   clock (no clock comparison between machines), so at most ``lease_seconds`` plus one retry
   after the leader died: 12 s with the default 10.
@@ -127,6 +128,10 @@ class LeaderElector:
         }
 
     async def step(self) -> None:
+        # A renewal counts from when it was sent, not from when its answer came: the API
+        # server may have written it at once, and a standby counts the Lease's duration
+        # from then. An answer that arrives late must not lengthen the leader's term.
+        sent = self._clock()
         try:
             lease = await self.kube.get(COORDINATION, "leases", self.namespace, self.name)
         except ApiError as exc:
@@ -144,7 +149,7 @@ class LeaderElector:
                 if is_conflict(exc2):
                     return
                 raise
-            self._win()
+            self._win(sent)
             return
         spec = lease.get("spec") or {}
         holder = str(spec.get("holderIdentity") or "")
@@ -175,10 +180,10 @@ class LeaderElector:
             if is_conflict(exc):  # someone else renewed or took it first
                 return
             raise
-        self._win()
+        self._win(sent)
 
-    def _win(self) -> None:
-        self._renewed_at = self._clock()
+    def _win(self, sent: float) -> None:
+        self._renewed_at = sent
         self.holder = self.identity
         if not self.is_leader:
             self.is_leader = True
@@ -304,7 +309,14 @@ class Members:
             if age > self.stale_seconds:
                 if prune:
                     try:
-                        await self.kube.delete(COORDINATION, "leases", self.namespace, meta["name"])
+                        await self.kube.delete(
+                            COORDINATION,
+                            "leases",
+                            self.namespace,
+                            meta["name"],
+                            uid=meta.get("uid"),
+                            resource_version=meta.get("resourceVersion"),
+                        )  # not one its replica renewed since it was read (409)
                     except ApiError as exc:
                         log.info(
                             "could not delete the stale member Lease %s: %s", meta["name"], exc

@@ -6,9 +6,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sdc_agent.protocol import CHECKS, CLASSIFICATIONS
 
-__all__ = ["Metrics"]
+__all__ = ["LEADER_OWNED", "Metrics"]
 
 _JOB = ["namespace", "job"]
+LEADER_OWNED = ("quarantined_nodes", "silent_jobs")
+"""Gauges only the leader computes: exported by the leader alone, so that a replica that
+stepped down does not keep its last count (``max()`` over replicas would alert on it for
+ever)."""
 
 
 class Metrics:
@@ -16,6 +20,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._exported: set[str] = set()
         self.reports = Counter(
             "hyperpod_sdc_reports",
             "Reports accepted, by kind and, for verdicts, classification.",
@@ -57,8 +62,8 @@ class Metrics:
         )
         self.quarantined_nodes = Gauge(
             "hyperpod_sdc_quarantined_nodes",
-            "Nodes carrying the hyperpod-sdc.dev/suspect label.",
-            registry=r,
+            "Nodes carrying the hyperpod-sdc.dev/suspect label (the leader's count).",
+            registry=None,  # leader-owned: exported by lead()
         )
         self.report_to_contained = Histogram(
             "hyperpod_sdc_report_to_contained_seconds",
@@ -102,8 +107,9 @@ class Metrics:
         )
         self.silent_jobs = Gauge(
             "hyperpod_sdc_silent_jobs",
-            "Running jobs whose agents sent heartbeats, then none for the silence period.",
-            registry=r,
+            "Running jobs whose agents sent heartbeats, then none for the silence period "
+            "(the leader's count).",
+            registry=None,  # leader-owned: exported by lead()
         )
         self.clean_step_lag = Gauge(
             "hyperpod_sdc_last_clean_step_lag_steps",
@@ -157,3 +163,18 @@ class Metrics:
             ["why"],
             registry=r,
         )
+
+    def lead(self, leading: bool) -> None:
+        """This replica leads (``hyperpod_sdc_leader`` 1, the leader-owned gauges exported)
+        or not (0; those gauges zeroed and no longer exported)."""
+        self.leader.set(1 if leading else 0)
+        for name in LEADER_OWNED:
+            gauge = getattr(self, name)
+            if leading and name not in self._exported:
+                self.registry.register(gauge)
+                self._exported.add(name)
+            elif not leading and name in self._exported:
+                self.registry.unregister(gauge)
+                self._exported.discard(name)
+            if not leading:
+                gauge.set(0)

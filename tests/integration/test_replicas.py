@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
-from .cluster import Cluster, OperatorProcess, wait_for
+from kubernetes import client
+
+from .cluster import OPERATOR_NAMESPACE, Cluster, OperatorProcess, wait_for
 from .fake_sagemaker import FakeSageMaker
 from .test_containment import make_job, send, verdict
 
@@ -79,3 +82,41 @@ def test_the_standby_records_and_takes_over_within_15_s_finishing_the_incident_o
     assert results.count(("suspend-job", "Succeeded")) == 1
     assert results.count(("quarantine-node", "Succeeded")) == 1
     print(f"standby took over {took_over:.1f} s after the leader was killed")
+
+
+def gauge(op: OperatorProcess, name: str) -> float | None:
+    for line in op.metrics().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+def test_a_replica_that_steps_down_stops_exporting_the_leader_gauges(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """The Lease is taken from the leader (as a partition would leave it, or another
+    replica): it steps down and no longer exports its count of quarantined nodes, so
+    ``max(hyperpod_sdc_quarantined_nodes) > 0`` does not fire for ever on a former leader.
+    When it leads again it counts anew."""
+    job = make_job(cluster, namespace)
+    op = start_operator(lease_seconds="2")
+    wait_for("a leader", lambda: leads(op))
+    for reporter in (0, 2):
+        assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
+    wait_for("the node counted", lambda: (gauge(op, "hyperpod_sdc_quarantined_nodes") or 0) >= 1)
+    leases = client.CoordinationV1Api(cluster.api)
+    now = datetime.now(timezone.utc)
+    leases.patch_namespaced_lease(
+        f"leader-{namespace}",
+        OPERATOR_NAMESPACE,
+        {"spec": {"holderIdentity": "someone-else", "renewTime": now, "leaseDurationSeconds": 3}},
+    )
+    wait_for("the leader to step down", lambda: "hyperpod_sdc_leader 0.0" in op.metrics(), 10)
+    assert gauge(op, "hyperpod_sdc_quarantined_nodes") is None
+    assert gauge(op, "hyperpod_sdc_silent_jobs") is None
+    wait_for("it leads again", lambda: leads(op), timeout=20)
+    wait_for(
+        "the node counted again",
+        lambda: (gauge(op, "hyperpod_sdc_quarantined_nodes") or 0) >= 1,
+        timeout=10,
+    )

@@ -171,3 +171,124 @@ def test_a_leader_whose_renewal_hangs_stops_acting_by_its_renew_deadline() -> No
     took = asyncio.run(hang())
     assert log == ["a leads", "a follows"]
     assert took < 4.0, f"acted {took:.1f} s without renewing a 4 s Lease"
+
+
+class _Answered:
+    """One replica's view of the Lease store: ``late`` runs after a replace is written and
+    before its answer comes back (the answer delayed on the way); ``down`` cuts this
+    replica off."""
+
+    def __init__(self, store: Leases) -> None:
+        self.store = store
+        self.late: Any = None
+        self.down = False
+
+    async def get(self, *args: Any) -> Any:
+        if self.down:
+            raise ApiError(0, "unreachable")
+        return await self.store.get(*args)
+
+    async def create(self, *args: Any) -> Any:
+        return await self.store.create(*args)
+
+    async def replace(self, *args: Any) -> Any:
+        if self.down:
+            raise ApiError(0, "unreachable")
+        written = await self.store.replace(*args)
+        if self.late is not None:
+            late, self.late = self.late, None
+            await late()
+        return written
+
+
+def test_a_renewal_answered_late_does_not_lengthen_the_leaders_term() -> None:
+    """a's renewal is written at t=1 and b sees it then; its answer reaches a at t=6. b
+    may take over 8 s after it saw the renewal (t=9): a must have stopped acting by then,
+    having counted its term from t=1 (when it sent the renewal), not from t=6."""
+    store, now = Leases(), [0.0]
+    log: list[str] = []
+    view_a, view_b = _Answered(store), _Answered(store)
+    a = elector(view_a, "a", now, log)  # type: ignore[arg-type]
+    b = elector(view_b, "b", now, log)  # type: ignore[arg-type]
+    overlap: list[float] = []
+
+    async def scenario() -> None:
+        await a.step()
+        await b.step()
+        now[0] = 1.0
+
+        async def answered_late() -> None:
+            await b.step()  # b sees the renewal as written
+            now[0] = 6.0
+
+        view_a.late = answered_late
+        await a.step()
+        assert a.is_leader and now[0] == 6.0
+        view_a.down = True  # a cannot renew again
+        a.retry_seconds = 0.0
+        task = asyncio.ensure_future(a.run())
+        while now[0] < 14.0:
+            await asyncio.sleep(0)
+            now[0] = round(now[0] + 0.01, 2)
+            if round(now[0] * 100) % 20 == 0:
+                await b.step()
+            if a.is_leader and b.is_leader:
+                overlap.append(now[0])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert b.is_leader and not a.is_leader
+    assert overlap == [], f"both acted from t={overlap[0]} to t={overlap[-1]}"
+    assert log == ["a leads", "a follows", "b leads"]
+
+
+def test_only_the_leader_exports_the_leader_owned_gauges() -> None:
+    """A replica that steps down stops exporting its last counts (max() over the replicas
+    would otherwise alert on them for ever); when it leads again it exports them anew."""
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+
+    def exported() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith(("hyperpod_sdc_quarantined_nodes", "hyperpod_sdc_silent_jobs"))
+        }
+
+    assert exported() == {}  # not leading yet
+    metrics.lead(True)
+    metrics.quarantined_nodes.set(3)
+    metrics.silent_jobs.set(2)
+    assert exported() == {"hyperpod_sdc_quarantined_nodes": 3.0, "hyperpod_sdc_silent_jobs": 2.0}
+    metrics.lead(False)
+    assert exported() == {}
+    assert "hyperpod_sdc_leader 0.0" in generate_latest(metrics.registry).decode()
+    metrics.lead(True)
+    assert exported() == {"hyperpod_sdc_quarantined_nodes": 0.0, "hyperpod_sdc_silent_jobs": 0.0}
+
+
+def test_a_standby_forgets_the_jobs_that_stopped() -> None:
+    """Only the leader decides silence, but every replica prunes: a standby's
+    heartbeat_age for a deleted job must not grow for a day."""
+    from prometheus_client import generate_latest
+
+    now = [1000.0]
+    metrics = Metrics()
+    beats = Heartbeats(metrics, clock=lambda: now[0])
+    job = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "train", "u1")
+    report = HeartbeatReport(ReporterIdentity(0, "n0", "p0"), 1000.0, 120, 100, interval_seconds=30)
+    beats.observe(job, "n0", report)
+    beats.prune(lambda _: True)
+    beats.refresh(window=600)
+    assert (
+        'hyperpod_sdc_heartbeat_age_seconds{job="train"'
+        in generate_latest(metrics.registry).decode()
+    )
+    now[0] += 300
+    beats.prune(lambda _: False)  # the job was deleted
+    beats.refresh(window=600)
+    assert beats.jobs == {}
+    assert "hyperpod_sdc_heartbeat_age_seconds{" not in generate_latest(metrics.registry).decode()

@@ -284,3 +284,69 @@ def test_failed_remediation_backs_off_doubling() -> None:
     assert incidents.next_action(incident(status), rules, t0 + timedelta(seconds=20)) == action
     status = incidents.record_action(status, action, "Succeeded", "ok", AT)
     assert incidents.next_action(incident(status), rules, t0 + timedelta(days=1)) is None
+
+
+# -- the per-job hold ledger -------------------------------------------------------------------
+
+
+def _holder(
+    name: str,
+    phase: str,
+    *,
+    stopped: str = "2026-11-29T00:00:10Z",
+    message: str = "set runPolicy.suspend=true",
+    contained: str | None = None,
+    resume: str | None = None,
+    uid: str = "job-uid",
+) -> dict[str, Any]:
+    actions = [{"action": "suspend-job", "result": "Succeeded", "at": stopped, "message": message}]
+    if resume is not None:
+        actions.append({"action": "resume-job", "result": resume, "at": stopped, "message": ""})
+    status: dict[str, Any] = {"phase": phase, "actions": actions}
+    if contained is not None:
+        status["conditions"] = [{"type": "Contained", "status": "True", "reason": contained}]
+    return {
+        "metadata": {"namespace": "ml", "name": name},
+        "spec": {"job": {"uid": uid}},
+        "status": status,
+    }
+
+
+def test_job_holders_wait_for_containment_and_leave_a_stop_for_good_to_a_person() -> None:
+    me = _holder("i1", "Contained", stopped="2026-11-29T00:00:05Z", contained="NodeQuarantined")
+    others = [
+        me,
+        _holder("containing", "Detected"),
+        _holder("not-localized", "Contained", contained="JobStoppedNotLocalized"),
+        _holder("capped", "Contained", contained="QuarantineCapReached"),
+        _holder("refused", "Contained", contained="NodeQuarantined", resume="Skipped"),
+        # not holding: quarantined its node (resumes itself), resumed it, released after
+        # review, another job's
+        _holder("quarantined", "Contained", contained="NodeQuarantined"),
+        _holder("resumed", "Resumed", contained="NodeQuarantined", resume="Succeeded"),
+        _holder("released", "Released", contained="JobStoppedNotLocalized"),
+        _holder("other-job", "Detected", uid="another"),
+    ]
+    assert incidents.job_holders(me, others) == [
+        ("capped", False),
+        ("containing", True),
+        ("not-localized", False),
+        ("refused", False),
+    ]
+
+
+def test_a_job_found_running_after_a_stop_ends_that_stops_hold() -> None:
+    """A person restarted the job after ``old`` stopped it for good: ``new`` found it
+    running and stopped it again, so ``old`` holds it no more. A stop that found the job
+    stopped already (``already``) ends nothing."""
+    old = _holder("old", "Contained", contained="JobStoppedNotLocalized")
+    new = _holder("new", "Contained", stopped="2026-11-29T00:05:00Z", contained="NodeQuarantined")
+    assert incidents.job_holders(new, [old, new]) == []
+    late = _holder(
+        "new",
+        "Contained",
+        stopped="2026-11-29T00:05:00Z",
+        message="runPolicy.suspend was already true",
+        contained="NodeQuarantined",
+    )
+    assert incidents.job_holders(late, [old, late]) == [("old", False)]
