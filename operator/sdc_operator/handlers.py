@@ -41,6 +41,8 @@ __all__ = ["Operator"]
 log = logging.getLogger(__name__)
 RETENTION_EVERY_SECONDS = 600.0
 MEMBERS_EVERY_SECONDS = 5.0
+WATCH_POOL_SPARE = 8
+"""Connections of the watch pool beyond one per watch (re-lists while a watch restarts)."""
 
 
 def _sagemaker_factory(settings: OperatorSettings) -> Callable[[], Any]:
@@ -67,7 +69,7 @@ class Operator:
         self.metrics = metrics = Metrics()
         # One connection pool each: nothing the intake does can delay containment or the
         # Lease renewals.
-        self.watches = Kube(endpoint, name="watch", pool_size=64, metrics=metrics)
+        self.watches = Kube(endpoint, name="watch", metrics=metrics)  # sized below
         self.lookups = Kube(endpoint, name="intake", pool_size=32, metrics=metrics)
         self.records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
@@ -82,6 +84,9 @@ class Operator:
             on_incident=self._on_incident,
             on_pod=self._on_pod,
         )
+        # Each cache holds one connection open for its watch (3 + 4 per namespace watched);
+        # a pool smaller than that leaves some watches queued, their caches stale.
+        self.watches.pool_size = len(self.caches.informers()) + WATCH_POOL_SPARE
         sagemaker = _sagemaker_factory(settings)
         self.hyperpod = HyperPodNodes(sagemaker)
         self.engine = IncidentEngine(

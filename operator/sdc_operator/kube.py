@@ -8,7 +8,8 @@ records on a fourth, and the watches (:mod:`.informer`) on their own. No thread 
 involved, and a response is parsed on the event loop only when it is small (a large one,
 a page of a LIST, is parsed in a worker thread).
 
-Objects come back exactly as the API server sends them (what ``kubectl get -o json``
+It knows nothing of incidents' meaning (it imports only errors and names). Objects come
+back exactly as the API server sends them (what ``kubectl get -o json``
 shows), so the pure modules work on the same dicts in tests and in production. Credentials
 come from the official client's loaders (in-cluster ServiceAccount, else the kubeconfig),
 re-read through its refresh hook, so a rotated token is picked up.
@@ -24,15 +25,14 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 
 from .errors import ApiError
-from .incidents import now_iso
-from .names import GROUP, INCIDENT_PLURAL, VERSION
-from .nodes import FIELD_MANAGER
+from .names import FIELD_MANAGER, GROUP, INCIDENT_PLURAL, VERSION
 
 __all__ = [
     "COMPONENT",
@@ -434,7 +434,7 @@ class Kube:
         the ``default`` namespace, as the kubelet's do."""
         meta = obj.get("metadata") or {}
         namespace = meta.get("namespace") or "default"
-        now = now_iso()
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -8,6 +8,8 @@ INCIDENT_KIND = "SDCIncident"
 INCIDENT_PLURAL = "sdcincidents"
 POLICY_KIND = "SDCPolicy"
 POLICY_PLURAL = "sdcpolicies"
+FIELD_MANAGER = "hyperpod-sdc"
+"""The field manager of the operator's writes (``metadata.managedFields``)."""
 
 ENABLED_ANNOTATION = f"{GROUP}/enabled"
 SUSPECT_KEY = f"{GROUP}/suspect"

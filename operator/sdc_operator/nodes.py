@@ -10,7 +10,13 @@ import copy
 import re
 from typing import Any
 
-from .names import HYPERPOD_HEALTH_LABEL, INCIDENT_ANNOTATION, PRIOR_CORDON_ANNOTATION, SUSPECT_KEY
+from .names import (
+    FIELD_MANAGER,
+    HYPERPOD_HEALTH_LABEL,
+    INCIDENT_ANNOTATION,
+    PRIOR_CORDON_ANNOTATION,
+    SUSPECT_KEY,
+)
 
 __all__ = [
     "FIELD_MANAGER",
@@ -23,8 +29,6 @@ __all__ = [
     "release_patch",
 ]
 
-FIELD_MANAGER = "hyperpod-sdc"
-"""The field manager of the operator's node writes (``metadata.managedFields``)."""
 _INSTANCE = re.compile(r"^i-[0-9a-f]{8}(?:[0-9a-f]{9})?$")
 SUSPECT_TAINT = {"key": SUSPECT_KEY, "value": "true", "effect": "NoSchedule"}
 

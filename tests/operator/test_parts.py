@@ -322,3 +322,33 @@ def test_the_series_alerts_take_the_increase_of_exist_from_the_start() -> None:
         'hyperpod_sdc_confirmations_total{outcome="confirmed"} 0.0',
     ):
         assert series in text, series
+
+
+def test_the_rest_client_imports_nothing_of_the_domain() -> None:
+    """kube.py is a REST client: of the operator's own modules it may use only the error
+    types and the names (constants); never incidents, nodes or any decision."""
+    import ast
+
+    import sdc_operator.kube
+
+    tree = ast.parse(Path(sdc_operator.kube.__file__).read_text())
+    own = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module
+    }
+    assert own == {"errors", "names"}, own
+
+
+def test_the_watch_pool_has_a_connection_for_every_watch() -> None:
+    """20 namespaces: 3 + 4 x 20 = 83 watches, more than the 64 connections the pool used
+    to have, so 19 caches stayed stale behind the others. Each watch holds one."""
+    from sdc_operator.handlers import Operator
+    from sdc_operator.kube import Endpoint
+
+    namespaces = ",".join(f"ml-{i}" for i in range(20))
+    settings = OperatorSettings.from_env({"HYPERPOD_SDC_NAMESPACES": namespaces})
+    operator = Operator(settings, Endpoint("https://127.0.0.1:1", False))
+    watches = len(operator.caches.informers())
+    assert watches == 83
+    assert operator.watches.pool_size >= watches + 1
