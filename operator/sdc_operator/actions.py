@@ -709,6 +709,9 @@ class Actions:
             repeat=s.confirmation_repeat,
             deadline_seconds=s.confirmation_deadline_seconds,
             image=s.confirmation_image,
+            node_gpus=((self.caches.nodes.get(None, node) or {}).get("status") or {}).get(
+                "allocatable"
+            ),
         )
         if body is None:
             return self._not_confirmable("CannotConfirm", f"cannot confirm: {why}", node, bundle)

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import confirmation, jobs
 from .informer import ChangeHandler, Informer, Projection
+from .jobshape import GPU_RESOURCES
 from .kube import INCIDENTS, Kube
 from .names import GROUP, INCIDENT_PLURAL, POLICY_PLURAL
 
@@ -106,6 +107,10 @@ def project_node(node: dict[str, Any]) -> dict[str, Any]:
         "status": {
             "addresses": list(status.get("addresses") or []),
             "nodeInfo": {"bootID": (status.get("nodeInfo") or {}).get("bootID", "")},
+            # the accelerators a confirmation pod asks for, all of them
+            "allocatable": {
+                k: v for k, v in (status.get("allocatable") or {}).items() if k in GPU_RESOURCES
+            },
         },
     }
 

@@ -6,7 +6,8 @@ Pure decisions (no cluster), for the engine and :mod:`.actions`:
   :func:`confirmation_node`), and whether the bundle can be reached from the job's volumes
   (:func:`bundle_problem`);
 - the pod (:func:`pod_body`): the job's image, its training container's env, volumes,
-  volume mounts and resources, pinned to the node by required node affinity (as a
+  volume mounts and resources (with every accelerator the node has, so that it gets the
+  suspect's GPU), pinned to the node by required node affinity (as a
   DaemonSet's pods are), tolerating our quarantine taint and the cordon, ``restartPolicy:
   Never``, ``activeDeadlineSeconds``, running ``python -m sdc_agent.confirm BUNDLE``;
   owned by the incident, so deleting the incident deletes it; its name derived from the
@@ -32,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from .jobshape import GPU_RESOURCES
 from .names import GROUP, INCIDENT_KIND, SUSPECT_KEY, VERSION
 
 __all__ = [
@@ -178,8 +180,12 @@ def pod_body(
     repeat: int,
     deadline_seconds: float,
     image: str | None = None,
+    node_gpus: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any] | None, str]:
-    """The confirmation pod, or ``(None, why not)``."""
+    """The confirmation pod, or ``(None, why not)``. ``node_gpus``: the node's allocatable
+    accelerators (``nvidia.com/gpu``: 8); the pod asks for all of them, so the device
+    plugin cannot hand it other GPUs than the suspect's (one of the node's; the pod picks
+    the suspect's by UUID). Without it the training container's request is copied."""
     suspects = _status(incident).get("suspects") or [{}]
     template = training_template(job, suspects[0].get("pod"))
     if template is None:
@@ -221,6 +227,9 @@ def pod_body(
     for key in ("envFrom", "resources", "securityContext", "workingDir", "imagePullPolicy"):
         if container.get(key) and not (key == "imagePullPolicy" and image):
             confirm[key] = container[key]
+    whole = _whole_node(container.get("resources") or {}, node_gpus or {})
+    if whole:
+        confirm["resources"] = whole
     tolerations = [
         t
         for t in tspec.get("tolerations") or []
@@ -289,6 +298,33 @@ def pod_body(
         "spec": spec,
     }
     return body, ""
+
+
+def _whole_node(resources: Mapping[str, Any], node_gpus: Mapping[str, Any]) -> dict[str, Any]:
+    """The training container's resources with every accelerator the node has asked for
+    (limits and requests alike: extended resources must be equal in both); ``{}`` where
+    the node's allocatable accelerators are not known."""
+    counts = {}
+    for name, value in node_gpus.items():
+        try:
+            count = int(str(value))
+        except ValueError:
+            continue
+        if count > 0:
+            counts[name] = count
+    if not counts:
+        return {}
+    out: dict[str, Any] = {}
+    for part in ("limits", "requests"):
+        kept = {
+            k: v
+            for k, v in dict(resources.get(part) or {}).items()
+            if k not in GPU_RESOURCES or k in counts
+        }
+        if part == "limits" or resources.get("requests"):
+            kept.update(counts)
+        out[part] = kept
+    return out
 
 
 # -- reading the pod ---------------------------------------------------------------------------

@@ -483,7 +483,8 @@ def start(kube: _Kube) -> Any:
     async def emit(*_: Any) -> None:
         pass
 
-    caches: Any = type("C", (), {"pods": _Pods()})()
+    nodes = type("N", (), {"get": lambda self, namespace, name: None})()
+    caches: Any = type("C", (), {"pods": _Pods(), "nodes": nodes})()
     actions = Actions(kube, caches, OperatorSettings(), None, emit)  # type: ignore[arg-type]
     return asyncio.run(
         actions.take(incident(bundle=BUNDLE), Action("confirm-node", "node-b"), Rules())
@@ -516,3 +517,36 @@ def test_the_pod_is_created_once_and_a_conflict_finds_it_or_says_whose_it_is() -
     assert (refused.result, refused.condition[2]) == ("Skipped", "CouldNotCreate")
     with pytest.raises(ApiError):  # a server error is retried: the action stays Pending
         start(_Kube(ApiError(503, "unavailable")))
+
+
+def test_the_pod_asks_for_every_gpu_of_the_node_so_it_gets_the_suspects() -> None:
+    """The training container asks for 1 GPU of 8: a pod asking for the same could be
+    handed any one of them, most likely not the suspect's (a false "not confirmed"). It
+    asks for all 8, so the suspect's GPU is among those it runs on (and picks it by UUID)."""
+    spec = job()
+    container = spec["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][1]
+    container["resources"] = {
+        "limits": {"nvidia.com/gpu": 1, "memory": "64Gi"},
+        "requests": {"nvidia.com/gpu": 1, "cpu": "8"},
+    }
+    body, why = confirmation.pod_body(
+        incident(bundle=BUNDLE),
+        spec,
+        "node-b",
+        BUNDLE,
+        repeat=5,
+        deadline_seconds=1800,
+        node_gpus={"nvidia.com/gpu": "8"},
+    )
+    assert body is not None, why
+    (confirm,) = body["spec"]["containers"]
+    assert confirm["resources"] == {
+        "limits": {"nvidia.com/gpu": 8, "memory": "64Gi"},
+        "requests": {"nvidia.com/gpu": 8, "cpu": "8"},
+    }
+    # the node's allocatable unknown: the training container's request, as before
+    body, _ = confirmation.pod_body(
+        incident(bundle=BUNDLE), spec, "node-b", BUNDLE, repeat=5, deadline_seconds=1800
+    )
+    assert body is not None
+    assert body["spec"]["containers"][0]["resources"] == container["resources"]
