@@ -8,11 +8,13 @@ requests per report) are bench/operator_scale.py's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_operator.names import SUSPECT_KEY
 
-from .cluster import Cluster, OperatorProcess
+from .cluster import Cluster, OperatorProcess, post
 from .storm import (
     TIMEOUT_SECONDS,
     Contained,
@@ -24,6 +26,7 @@ from .storm import (
     summary,
     verdicts,
 )
+from .test_containment import make_job
 
 NODES = 128
 STORM_SETTINGS = {"rate_per_source": "1000000", "rate_source_burst": "1000000"}
@@ -56,3 +59,45 @@ def test_128_nodes_reporting_at_once_are_contained_within_5_s(
     assert spent / NODES < 1.0, f"{spent} API requests for {NODES} reports"
     node = cluster.get_node(job.node_name(suspect))
     assert SUSPECT_KEY in (node["metadata"].get("labels") or {})
+
+
+def _requests(op: OperatorProcess, client: str, verb: str) -> dict[tuple[str, str], float]:
+    """(resource, code) -> requests the operator's ``client`` made with ``verb``."""
+    found: dict[tuple[str, str], float] = {}
+    for line in op.metrics().splitlines():
+        if not line.startswith("hyperpod_sdc_api_requests_total{"):
+            continue
+        labels = dict(
+            part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(",")
+        )
+        labels = {k: v.strip('"') for k, v in labels.items()}
+        if labels["client"] == client and labels["verb"] == verb:
+            key = (labels["resource"], labels["code"])
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_twenty_namespaces_watched_every_cache_is_fresh(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """20 namespaces: 3 + 4 x 20 = 83 watches, each holding a connection of the watch
+    pool. With a pool smaller than that (64 before), 19 watches wait for a connection,
+    time out and try again, their caches stale; here every watch runs, and a pod and job
+    made after the start are served from the caches (a heartbeat costs no GET)."""
+    namespaces = [namespace] + [cluster.namespace() for _ in range(19)]
+    op = start_operator(namespaces=",".join(namespaces))
+    time.sleep(12)  # past the pool's 10 s connect timeout: a starved watch has failed by now
+    watches = _requests(op, "watch", "watch")
+    failed = {k: v for k, v in watches.items() if k[1] != "200"}
+    assert failed == {}, f"watches that could not start: {failed}"
+    assert sum(watches.values()) >= 83, watches
+    jobs = [make_job(cluster, ns, n=1) for ns in namespaces]
+    time.sleep(2)  # the watch events
+    for job in jobs:
+        report = HeartbeatReport(
+            ReporterIdentity(0, job.node_name(0), job.pods[0]), time.time(), 100, 80
+        )
+        token = cluster.token(job.namespace, job.pods[0])
+        assert post(op.url, encode_report(report), token)[0] == 202
+    reads = _requests(op, "intake", "get")
+    assert reads == {}, f"the intake read what the caches should have had: {reads}"
