@@ -83,7 +83,7 @@ def storm_once(
     step: int,
 ) -> dict[str, Any]:
     watcher = storm.Contained(cluster, namespace, step)
-    probe = storm.HealthProbe(op.url)
+    probe = storm.HealthProbe(op.metrics_url)
     api_before = storm.operator_api_requests(op.metrics())
     server_before = storm.apiserver_requests(cluster)
     cpu_before = storm.cpu_seconds(op.proc.pid)

@@ -171,14 +171,18 @@ class OperatorProcess:
         tls: tuple[Path, Path, Path],
         extra_env: dict[str, str],
     ) -> None:
-        port = free_port()
+        port, admission, metrics = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{port}"
+        self.admission_url = f"https://127.0.0.1:{admission}"
+        self.metrics_url = f"https://127.0.0.1:{metrics}"
         ca, cert, key = tls
         env = {
             **os.environ,
             "KUBECONFIG": server.kubeconfig,
             "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
             "HYPERPOD_SDC_LISTEN_PORT": str(port),
+            "HYPERPOD_SDC_ADMISSION_PORT": str(admission),
+            "HYPERPOD_SDC_METRICS_PORT": str(metrics),
             "HYPERPOD_SDC_NAMESPACES": NAMESPACE,
             "HYPERPOD_SDC_RESYNC_SECONDS": "2",
             "HYPERPOD_SDC_TLS_CERT_FILE": str(cert),
@@ -206,7 +210,7 @@ class OperatorProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the operator exited; see {log}")
             try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=1, context=trust):
+                with urllib.request.urlopen(f"{self.metrics_url}/readyz", timeout=1, context=trust):
                     return
             except OSError:
                 time.sleep(0.2)
@@ -1089,7 +1093,7 @@ def main() -> int:
         trainer = training_operator(server, base)
         tls = ca_and_certificate(base / "tls", "operator")
         op = OperatorProcess(server, base / "operator.log", tls, sagemaker.env())
-        register_webhook(server, op.url, tls[0])
+        register_webhook(server, op.admission_url, tls[0])
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
         say(
             f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '

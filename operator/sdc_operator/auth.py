@@ -15,8 +15,10 @@ A review costs the API server work, so :class:`TokenReviewer` spends it carefull
    ``cache_seconds`` or their ``exp``, whichever comes first; rejected ones for
    ``negative_seconds``;
 3. concurrent requests with one token share one review;
-4. reviews of tokens not remembered are limited cluster-wide (``reviews_per_second``):
-   past it a report is answered 429 and retried by the agent.
+4. reviews of tokens not remembered are limited per client address
+   (``reviews_per_source``), so that bogus tokens from a few addresses cannot spend the
+   budget of everyone else, and cluster-wide (``reviews_per_second``): past either a report
+   is answered 429 and retried by the agent.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import ConfigError, Refusal
-from .ratelimit import TokenBucket
+from .ratelimit import RateLimiter, TokenBucket
 
 __all__ = [
     "Authenticator",
@@ -62,7 +64,9 @@ class PodIdentity:
 
 
 class Authenticator(Protocol):
-    async def authenticate(self, token: str) -> PodIdentity: ...
+    async def authenticate(self, token: str, source: str = "") -> PodIdentity:
+        """The pod ``token`` proves; ``source`` is the client's address."""
+        ...
 
 
 class Reviewer(Protocol):
@@ -117,6 +121,8 @@ class TokenReviewer:
         negative_seconds: float = 60.0,
         reviews_per_second: float = 200.0,
         burst: int = 2500,
+        reviews_per_source: float = 5.0,
+        source_burst: int = 50,
         max_cached: int = 100_000,
         clock: Callable[[], float] = time.time,
         metrics: Any = None,
@@ -129,6 +135,7 @@ class TokenReviewer:
         self._clock = clock
         self._metrics = metrics
         self._budget = TokenBucket(reviews_per_second, burst)
+        self._per_source = RateLimiter(reviews_per_source, source_burst)
         self._cache: OrderedDict[bytes, tuple[float, PodIdentity | Refusal]] = OrderedDict()
         self._in_flight: dict[bytes, asyncio.Future[PodIdentity]] = {}
         self.reviews = 0
@@ -138,7 +145,7 @@ class TokenReviewer:
         if self._metrics is not None:
             self._metrics.token_reviews.labels(outcome).inc()
 
-    async def authenticate(self, token: str) -> PodIdentity:
+    async def authenticate(self, token: str, source: str = "") -> PodIdentity:
         key = hashlib.sha256(token.encode()).digest()
         now = self._clock()
         cached = self._cache.get(key)
@@ -159,6 +166,17 @@ class TokenReviewer:
             audiences = [audiences] if isinstance(audiences, str) else audiences
             if isinstance(audiences, list) and self._audience not in audiences:
                 raise _unauthenticated(f"token rejected: not meant for audience {self._audience!r}")
+            # The source's own bucket first: a source past its rate spends nothing of
+            # the shared budget.
+            wait = self._per_source.acquire(source)
+            if wait is not None:
+                self._count("limited")
+                raise Refusal(
+                    429,
+                    "rate_limited",
+                    f"{source or 'this client'} sends too many tokens not seen before; try again",
+                    retry_after=wait,
+                )
             wait = self._budget.acquire()
             if wait is not None:
                 self._count("limited")
@@ -266,7 +284,7 @@ class StaticTokens:
             namespace, pod = parts[1].split("/")
             self._tokens.append((parts[0].encode(), PodIdentity(namespace, pod)))
 
-    async def authenticate(self, token: str) -> PodIdentity:
+    async def authenticate(self, token: str, source: str = "") -> PodIdentity:
         given = token.encode()
         found = None
         for known, identity in self._tokens:

@@ -25,16 +25,17 @@ from .caches import Caches
 from .engine import IncidentEngine
 from .errors import ApiError, OperatorError
 from .heartbeats import Heartbeats
-from .intake import Intake
+from .intake import Intake, json_error_middleware
 from .kube import Endpoint, Kube
 from .leader import LeaderElector, Members
+from .listeners import GuardedSite
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .optin import OptIn
 from .remediate import HyperPodNodes, client_config
 from .settings import OperatorSettings
 from .trust_bundle import ServingCertificate
-from .webhook import WebhookSettings
+from .webhook import MAX_REVIEW_BYTES, WebhookSettings
 
 __all__ = ["Operator"]
 
@@ -107,10 +108,10 @@ class Operator:
             settings.identity,
             last_seen=self.heartbeats.last_seen,
         )
-        self._runner: web.AppRunner | None = None
+        self._runners: list[web.AppRunner] = []
         self._loops: list[asyncio.Task[None]] = []
         self._peers: dict[str, float] = {}
-        # The admission webhook (same server, same TLS), CA publishing and the job watch.
+        # The admission webhook (its own listener, same TLS), CA publishing, the job watch.
         self.serving = None
         if settings.tls_cert_file and settings.tls_key_file:
             self.serving = ServingCertificate(settings.tls_cert_file, settings.tls_key_file)
@@ -124,6 +125,7 @@ class Operator:
             leader=lambda: self.engine.leader,
             registry=self.metrics.registry,
             serving=self.serving,
+            caches=self.caches,
         )
 
     def _attestation_key(self) -> bytes:
@@ -152,6 +154,8 @@ class Operator:
             negative_seconds=s.negative_token_cache_seconds,
             reviews_per_second=s.token_reviews_per_second,
             burst=s.token_review_burst,
+            reviews_per_source=s.token_reviews_per_source,
+            source_burst=s.token_review_source_burst,
             metrics=self.metrics,
         )
 
@@ -183,20 +187,30 @@ class Operator:
         self.intake.ready = self.caches.synced
         self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
         ssl_context = self.serving.context if self.serving is not None else None
-        app = self.intake.app()
-        self.optin.add_routes(app)
-        self._runner = self.intake.runner(app)
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, s.listen_address, s.listen_port, ssl_context=ssl_context, backlog=4096
+        # One listener per audience (.listeners): the tenants reach only the intake.
+        admission = web.Application(
+            client_max_size=MAX_REVIEW_BYTES + 1, middlewares=[json_error_middleware()]
         )
-        await site.start()
-        log.info(
-            "intake listening on %s://%s:%d",
-            "https" if ssl_context else "http",
-            s.listen_address,
-            s.listen_port,
-        )
+        self.optin.add_routes(admission)
+        for name, app, port in (
+            ("intake", self.intake.app(), s.listen_port),
+            ("admission", admission, s.admission_port),
+            ("metrics", self.intake.monitoring_app(), s.metrics_port),
+        ):
+            runner = self.intake.runner(app)
+            await runner.setup()
+            self._runners.append(runner)
+            site = GuardedSite(
+                runner,
+                s.listen_address,
+                port,
+                ssl_context=ssl_context,
+                handshake_seconds=s.tls_handshake_timeout_seconds,
+                handshakes_per_source=s.handshakes_per_source,
+                name=name,
+            )
+            await site.start()
+            log.info("%s listening on %s", name, site.name)
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
         await self.optin.start()
 
@@ -315,8 +329,8 @@ class Operator:
         await asyncio.gather(*self._loops, return_exceptions=True)
         if self.elector is not None:
             await self.elector.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in self._runners:
+            await runner.cleanup()
         await self.engine.close()
         await self.caches.stop()
         self.hyperpod.close()

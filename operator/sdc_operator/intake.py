@@ -1,4 +1,5 @@
-"""The intake: ``POST /v1/reports`` (docs/protocol.md), ``/metrics``, ``/healthz``.
+"""The intake: ``POST /v1/reports`` (docs/protocol.md) on the tenants' listener, and
+``/metrics``, ``/healthz``, ``/readyz`` on the monitoring one (:mod:`.listeners`).
 
 A report is checked in this order, cheapest first, and the first failure answers a 4xx
 (or 503) with ``{"error": <reason>, "message": <what to fix>}``, counts under that reason in
@@ -166,10 +167,17 @@ class Intake:
         self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
 
     def app(self) -> web.Application:
+        """The tenants' listener: ``/v1/reports`` and nothing else."""
         app = web.Application(
             client_max_size=self.settings.max_body_bytes + 1, middlewares=[json_error_middleware()]
         )
         app.router.add_post(REPORTS_PATH, self.post_report)
+        return app
+
+    def monitoring_app(self) -> web.Application:
+        """The monitoring listener: ``/metrics`` (every opted-in job of every namespace is
+        named there, so never on the tenants' port), ``/healthz``, ``/readyz``."""
+        app = web.Application(client_max_size=1024, middlewares=[json_error_middleware()])
         app.router.add_get("/metrics", self.get_metrics)
         app.router.add_get("/healthz", self.get_healthz)
         app.router.add_get("/readyz", self.get_readyz)
@@ -261,7 +269,7 @@ class Intake:
                 f"the body did not arrive within {self.settings.body_timeout_seconds:g} s",
             ) from None
 
-        identity = await self.authenticator.authenticate(token)
+        identity = await self.authenticator.authenticate(token, source=request.remote or "")
         pod = await self._pod(identity)
         namespace = identity.namespace
         admission = self.engine.admission(namespace)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from .caches import Caches
 from .jobwatch import JobWatch
 from .kube import Kube
 from .trust_bundle import CaPublisher, ServingCertificate
@@ -32,10 +33,11 @@ class OptIn:
         leader: Callable[[], bool],
         registry: CollectorRegistry,
         serving: ServingCertificate | None = None,
+        caches: Caches | None = None,
     ) -> None:
         self.settings = settings
         self.serving = serving
-        self.lookups = AdmissionLookups(kube, settings.webhook_cache_seconds)
+        self.lookups = AdmissionLookups(kube, settings.webhook_cache_seconds, caches=caches)
         self.publisher = CaPublisher(kube, settings.tls_ca_file) if settings.tls_ca_file else None
         publisher = self.publisher
         self.webhook = PodWebhook(

@@ -33,9 +33,20 @@ REMEDIATION_METHODS = ("api", "label")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OperatorSettings:
     listen_address: str = "0.0.0.0"
-    """Address the intake (``/v1/reports``, ``/metrics``, ``/healthz``) listens on."""
+    """Address the three listeners (intake, admission, metrics) listen on."""
     listen_port: int = 8443
-    """Port of the intake."""
+    """Port of the tenants' intake: ``/v1/reports`` and nothing else."""
+    admission_port: int = 9443
+    """Port of the admission webhook (``/v1/admission/...``), for the API server only."""
+    metrics_port: int = 9090
+    """Port of ``/metrics``, ``/healthz`` and ``/readyz``, for monitoring and the kubelet's
+    probes (``/metrics`` names every opted-in job of every namespace)."""
+    tls_handshake_timeout_seconds: float = 5.0
+    """A TLS connection whose handshake is not complete this long after it opened is
+    closed."""
+    handshakes_per_source: int = 32
+    """TLS handshakes one client address may have in progress at once, on each listener;
+    more are closed unanswered."""
     tls_cert_file: str | None = None
     """PEM certificate for HTTPS; with ``tls_key_file``. Unset: plain HTTP (only behind a
     mesh or for development: the Bearer tokens travel in the clear)."""
@@ -150,6 +161,12 @@ class OperatorSettings:
     """How many TokenReviews of new tokens may be sent at once (the size of that bucket):
     keep it above the node count of the largest job, whose agents all report for the first
     time at about the same moment."""
+    token_reviews_per_source: float = 5.0
+    """TokenReviews per second one client address may cause, on average, for tokens not
+    in the cache: bogus tokens from a few addresses cannot spend the cluster-wide budget
+    (an agent's pod has an address of its own and reviews one token an hour)."""
+    token_review_source_burst: int = 50
+    """Size of that bucket."""
     negative_token_cache_seconds: float = 60.0
     """How long a token the API server rejected is rejected without asking again."""
     max_in_flight: int = 4096
@@ -194,8 +211,17 @@ class OperatorSettings:
         def bad(name: str, problem: str) -> ConfigError:
             return ConfigError(f"{ENV_OF_FIELD[name]}: {problem}")
 
-        if not 0 < self.listen_port < 65536:
-            raise bad("listen_port", f"must be a port number, got {self.listen_port}")
+        ports = ("listen_port", "admission_port", "metrics_port")
+        for name in ports:
+            if not 0 < getattr(self, name) < 65536:
+                raise bad(name, f"must be a port number, got {getattr(self, name)}")
+        if len({getattr(self, name) for name in ports}) != len(ports):
+            raise bad(
+                "admission_port",
+                f"{ENV_OF_FIELD['listen_port']}, {ENV_OF_FIELD['admission_port']} and "
+                f"{ENV_OF_FIELD['metrics_port']} must differ: each listener serves one "
+                "audience",
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise bad("tls_cert_file", f"and {ENV_OF_FIELD['tls_key_file']} go together")
         if self.auth_mode not in AUTH_MODES:
@@ -250,6 +276,8 @@ class OperatorSettings:
             "body_timeout_seconds",
             "rate_per_source",
             "token_reviews_per_second",
+            "token_reviews_per_source",
+            "tls_handshake_timeout_seconds",
             "heartbeat_silence_seconds",
             "confirmation_deadline_seconds",
             "confirmation_start_seconds",
@@ -263,6 +291,8 @@ class OperatorSettings:
             "storm_suspect_nodes",
             "rate_source_burst",
             "token_review_burst",
+            "token_review_source_burst",
+            "handshakes_per_source",
             "max_in_flight",
             "repeat_count",
             "repeat_window_steps",

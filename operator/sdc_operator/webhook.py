@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from . import jobs
+from .caches import Caches
 from .errors import ConfigError
 from .injection import (
     CA_CONFIGMAP,
@@ -62,10 +64,15 @@ ADMISSION_PATH = "/v1/admission/pods"
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 """A pod is at most about 1.5 MiB (etcd's limit); its AdmissionReview carries it once on
 CREATE, twice on UPDATE."""
-MAX_IN_FLIGHT = 64
+MAX_IN_FLIGHT = 256
 """Reviews answered at once; more get 503 (the API server then applies the failure policy).
 With :data:`MAX_REVIEW_BYTES` and :data:`READ_SECONDS` it bounds what requests to this
-unauthenticated path can hold: 256 MiB for at most 3 s each."""
+unauthenticated path can hold: 1 GiB for at most 3 s each (in practice a review is a few
+KiB)."""
+MAX_IN_FLIGHT_PER_SOURCE = 64
+"""Reviews one client address may have in flight at once: a source trickling bodies (or
+flooding) holds at most a quarter of :data:`MAX_IN_FLIGHT`, and the API server's own
+reviews, from its own addresses, still find room."""
 READ_SECONDS = 3.0
 """The API server sends a review in one go; a body still arriving after this is refused
 (408), so slow clients cannot hold connections and buffers open."""
@@ -180,20 +187,46 @@ class _TTLCache:
 
 
 class AdmissionLookups:
-    """The job of a pod and the admission of a namespace, read from the API server with a
-    short cache (a job of 2,000 pods costs one GET, not 2,000)."""
+    """The job of a pod and the admission of a namespace.
+
+    With the operator's watch-fed :class:`.caches.Caches` (as it runs), every lookup is
+    served from them, so a review costs no API call whatever it names: a job the watch has
+    not delivered yet is waited for, up to :data:`MISS_WAIT_SECONDS`, then taken as absent
+    (the pod is admitted unwired and counted unguarded by :mod:`.jobwatch`). Without caches
+    (tests, tools) they are read from the API server with a short cache."""
 
     def __init__(
-        self, kube: Kube, cache_seconds: float, clock: Callable[[], float] = time.monotonic
+        self,
+        kube: Kube,
+        cache_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        caches: Caches | None = None,
     ) -> None:
         self.kube = kube
+        self.caches = caches
         self._jobs = _TTLCache(cache_seconds, clock)
         self._namespaces = _TTLCache(cache_seconds, clock)
         self._policies = _TTLCache(cache_seconds, clock)
         self._warned_no_crd = False
 
+    async def _synced(self) -> Caches | None:
+        caches = self.caches
+        if caches is not None:
+            while not caches.synced():
+                await asyncio.sleep(0.05)
+        return caches
+
     async def job(self, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any] | None:
         """The owner job as the API server has it, or ``None`` if it does not exist."""
+        caches = await self._synced()
+        if caches is not None:
+            give_up = time.monotonic() + MISS_WAIT_SECONDS
+            while True:
+                found = caches.job(owner["apiVersion"], owner["kind"], namespace, owner["name"])
+                fits = found is not None and found["metadata"].get("uid") == owner.get("uid")
+                if fits or time.monotonic() >= give_up:
+                    return dict(found) if fits and found is not None else None
+                await asyncio.sleep(0.05)
         key = (namespace, owner["apiVersion"], owner["kind"], owner["name"])
         hit, job = self._jobs.get(key)
         if not hit:
@@ -210,6 +243,9 @@ class AdmissionLookups:
         return dict(job) if job is not None else None
 
     async def policies(self) -> list[dict[str, Any]]:
+        caches = await self._synced()
+        if caches is not None:
+            return list(caches.policies.values())
         hit, found = self._policies.get("all")
         if not hit:
             try:
@@ -228,6 +264,9 @@ class AdmissionLookups:
         return list(found)
 
     async def namespace_labels(self, namespace: str) -> dict[str, str]:
+        caches = await self._synced()
+        if caches is not None:
+            return caches.namespace_labels(namespace) or {}
         hit, labels = self._namespaces.get(namespace)
         if not hit:
             ns = await self.kube.get("v1", "namespaces", None, namespace)
@@ -239,6 +278,11 @@ class AdmissionLookups:
         policies = await self.policies()
         labels = await self.namespace_labels(namespace)
         return namespace_admission(policies, namespace, labels)
+
+
+MISS_WAIT_SECONDS = 1.0
+"""How long a review waits for the watch to deliver a job it names (a training operator
+creates a job's pods right after the job): never longer than the review's own budget."""
 
 
 class _BadReview(Exception):
@@ -272,6 +316,64 @@ def _timeout_seconds(query: Mapping[str, str]) -> float:
     return value / 1000 if unit == "ms" else value * 60 if unit == "m" else value
 
 
+_REQUEST_SHAPE: dict[str, type | tuple[type, ...]] = {
+    "kind": dict,
+    "resource": dict,
+    "userInfo": dict,
+    "object": dict,
+    "oldObject": dict,
+    "operation": str,
+    "namespace": str,
+    "name": str,
+    "subResource": str,
+}
+"""The types of the request fields the webhook reads, as the API server sends them (a field
+may be absent or null)."""
+
+
+def _check_shape(req: Mapping[str, Any]) -> None:
+    """A 400 naming the first field of another type than the API server sends: such a
+    review was not written by an API server, and reading it further could only fail."""
+    for name, kind in _REQUEST_SHAPE.items():
+        value = req.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise _BadReview(
+                400,
+                "malformed",
+                f"request.{name}: expected {_TYPE_NAMES[kind]}, got {type(value).__name__}",
+            )
+    for name in ("object", "oldObject"):
+        obj = req.get(name) or {}
+        for part in ("metadata", "spec"):
+            if obj.get(part) is not None and not isinstance(obj[part], dict):
+                raise _BadReview(
+                    400,
+                    "malformed",
+                    f"request.{name}.{part}: expected an object, got {type(obj[part]).__name__}",
+                )
+        meta = obj.get("metadata") or {}
+        for part in ("labels", "annotations"):
+            if meta.get(part) is not None and not isinstance(meta[part], dict):
+                raise _BadReview(
+                    400,
+                    "malformed",
+                    f"request.{name}.metadata.{part}: expected an object, got "
+                    f"{type(meta[part]).__name__}",
+                )
+        if meta.get("ownerReferences") is not None and not (
+            isinstance(meta["ownerReferences"], list)
+            and all(isinstance(ref, dict) for ref in meta["ownerReferences"])
+        ):
+            raise _BadReview(
+                400,
+                "malformed",
+                f"request.{name}.metadata.ownerReferences: expected a list of objects",
+            )
+
+
+_TYPE_NAMES: dict[Any, str] = {dict: "an object", str: "a string"}
+
+
 class PodWebhook:
     """Answers AdmissionReviews for pods; never raises to aiohttp."""
 
@@ -295,6 +397,7 @@ class PodWebhook:
         # a volume of a ConfigMap that never appears would keep the pod from starting.
         self.ca_available = ca_available
         self.in_flight = 0
+        self.by_source: collections.Counter[str] = collections.Counter()
         self.reviews = Counter(
             "hyperpod_sdc_admission_reviews",
             "Pod admission reviews answered, by operation and outcome (injected, untouched: "
@@ -308,18 +411,25 @@ class PodWebhook:
         app.router.add_post(ADMISSION_PATH, self.post_admission)
 
     async def post_admission(self, request: web.Request) -> web.Response:
-        if self.in_flight >= MAX_IN_FLIGHT:
+        source = request.remote or ""
+        if self.in_flight >= MAX_IN_FLIGHT or self.by_source[source] >= MAX_IN_FLIGHT_PER_SOURCE:
             self.reviews.labels("", "refused").inc()
-            return web.json_response(
+            overloaded = web.json_response(
                 {"error": "overloaded", "message": "too many reviews at once"},
                 status=503,
                 headers={"Retry-After": "1"},
             )
+            overloaded.force_close()
+            return overloaded
         self.in_flight += 1
+        self.by_source[source] += 1
         try:
             return await self._answer(request)
         finally:
             self.in_flight -= 1
+            self.by_source[source] -= 1
+            if self.by_source[source] <= 0:
+                del self.by_source[source]
 
     async def _answer(self, request: web.Request) -> web.Response:
         try:
@@ -365,6 +475,8 @@ class PodWebhook:
             review = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _BadReview(400, "malformed", f"not JSON: {exc}") from None
+        except RecursionError:
+            raise _BadReview(400, "malformed", "nested too deeply to be a pod") from None
         if not isinstance(review, dict):
             raise _BadReview(400, "malformed", "an AdmissionReview must be a JSON object")
         if (review.get("apiVersion"), review.get("kind")) != (REVIEW_API, "AdmissionReview"):
@@ -377,6 +489,7 @@ class PodWebhook:
         req = review.get("request")
         if not isinstance(req, dict) or not isinstance(req.get("uid"), str) or not req["uid"]:
             raise _BadReview(400, "malformed", "request.uid: required")
+        _check_shape(req)
         return review
 
     async def review(

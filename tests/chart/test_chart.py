@@ -122,6 +122,8 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         "RoleBinding",
         "Secret",
         "Service",
+        "Service",
+        "Service",
         "ServiceAccount",
     ]
     (deploy,) = by_kind(docs, "Deployment")
@@ -208,11 +210,13 @@ def test_optional_parts() -> None:
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["endpoints"][0]["tlsConfig"]["ca"]["secret"]["key"] == "ca.crt"
-    (policy,) = by_kind(docs, "NetworkPolicy")
-    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"] == {
-        "matchLabels": {"team": "ml"}
-    }
-    assert policy["spec"]["ingress"][1]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
+    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "NetworkPolicy")}
+    assert policies["hyperpod-sdc-intake"]["spec"]["ingress"][0]["from"][0][
+        "namespaceSelector"
+    ] == {"matchLabels": {"team": "ml"}}
+    assert policies["hyperpod-sdc-admission"]["spec"]["ingress"][0]["from"] == [
+        {"ipBlock": {"cidr": "10.0.0.0/16"}}
+    ]
     assert not by_kind(docs, "ConfigMap")  # the operator publishes the CA itself
     (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
     assert {w["failurePolicy"] for w in hook["webhooks"]} == {"Fail"}
@@ -222,6 +226,96 @@ def test_optional_parts() -> None:
         for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert (env["HYPERPOD_SDC_NAMESPACES"], env["HYPERPOD_SDC_DRY_RUN"]) == ("ml", "true")
+
+
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def ingress_pairs(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """What the rendered NetworkPolicies allow, added up as the CNI adds them: a set of
+    (peer as JSON, port name)."""
+    import json
+
+    allowed = set()
+    for policy in by_kind(docs, "NetworkPolicy"):
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"].get("ingress") or []:
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule open to everyone"
+            assert rule.get("ports"), f"{policy['metadata']['name']}: a rule open on every port"
+            for peer in rule["from"]:
+                for port in rule["ports"]:
+                    allowed.add((json.dumps(peer, sort_keys=True), port["port"]))
+    return allowed
+
+
+def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
+    """The tenants' namespaces reach only the intake port, the API server only the
+    admission port, monitoring only the metrics port; the webhook configuration, the
+    probes and the ServiceMonitor name their own listener."""
+    import json
+
+    values = {
+        **ALL_ON,
+        "networkPolicy": {**ALL_ON["networkPolicy"], "metricsFrom": MONITORING},
+    }
+    docs = render(values)
+    (deploy,) = by_kind(docs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"intake": 8443, "admission": 9443, "metrics": 9090}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (
+        env["HYPERPOD_SDC_LISTEN_PORT"],
+        env["HYPERPOD_SDC_ADMISSION_PORT"],
+        env["HYPERPOD_SDC_METRICS_PORT"],
+    ) == ("8443", "9443", "9090")
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "metrics"
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    assert {
+        name: [p["targetPort"] for p in s["spec"]["ports"]] for name, s in services.items()
+    } == {
+        "hyperpod-sdc": ["intake"],
+        "hyperpod-sdc-webhook": ["admission"],
+        "hyperpod-sdc-metrics": ["metrics"],
+    }
+    (hook,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert {w["clientConfig"]["service"]["name"] for w in hook["webhooks"]} == {
+        "hyperpod-sdc-webhook"
+    }
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    selected = [
+        name
+        for name, s in services.items()
+        if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert selected == ["hyperpod-sdc-metrics"]
+    tenants = json.dumps({"namespaceSelector": {"matchLabels": {"team": "ml"}}}, sort_keys=True)
+    api_server = json.dumps({"ipBlock": {"cidr": "10.0.0.0/16"}}, sort_keys=True)
+    monitoring = json.dumps(MONITORING[0], sort_keys=True)
+    assert ingress_pairs(docs) == {
+        (tenants, "intake"),
+        (api_server, "admission"),
+        (monitoring, "metrics"),
+    }
+    # the defaults: every namespace may report, nobody but the node scrapes
+    docs = render(
+        {"networkPolicy": {"enabled": True, "webhookFrom": ALL_ON["networkPolicy"]["webhookFrom"]}}
+    )
+    assert ingress_pairs(docs) == {
+        (json.dumps({"namespaceSelector": {}}), "intake"),
+        (api_server, "admission"),
+    }
+    # without the webhook no one is let in on the admission port
+    docs = render({"networkPolicy": {"enabled": True}, "webhook": {"enabled": False}})
+    assert {port for _, port in ingress_pairs(docs)} == {"intake"}
+    # the operator's certificate names each Service
+    (cert,) = [
+        d for d in render(CERT_MANAGER) if d["kind"] == "Certificate" and "dnsNames" in d["spec"]
+    ]
+    for name in services:
+        assert f"{name}.hyperpod-sdc.svc" in cert["spec"]["dnsNames"]
 
 
 def test_the_optional_policy_is_valid_and_off_by_default() -> None:
@@ -354,7 +448,7 @@ def test_webhook_registration_never_makes_other_pods_wait() -> None:
             ]
         }
         assert webhook["clientConfig"]["service"] == {
-            "name": "hyperpod-sdc",
+            "name": "hyperpod-sdc-webhook",
             "namespace": "hyperpod-sdc",
             "path": "/v1/admission/pods",
             "port": 443,

@@ -341,6 +341,12 @@ class OperatorProcess:
     ) -> None:
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
+        """The tenants' intake (``/v1/reports`` only)."""
+        self.admission_port, self.metrics_port = free_port(), free_port()
+        self.admission_url = f"{scheme}://127.0.0.1:{self.admission_port}"
+        """The admission webhook's listener (the API server's)."""
+        self.metrics_url = f"{scheme}://127.0.0.1:{self.metrics_port}"
+        """``/metrics``, ``/healthz``, ``/readyz``."""
         # readiness and metrics are read over plain TLS without verification (test plumbing)
         self._context = ssl._create_unverified_context() if scheme == "https" else None
         env = {
@@ -348,6 +354,8 @@ class OperatorProcess:
             "KUBECONFIG": kubeconfig or cluster.kubeconfig,
             "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
             "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
+            "HYPERPOD_SDC_ADMISSION_PORT": str(self.admission_port),
+            "HYPERPOD_SDC_METRICS_PORT": str(self.metrics_port),
             "HYPERPOD_SDC_NAMESPACES": namespace,
             "HYPERPOD_SDC_RESYNC_SECONDS": "1",
             "HYPERPOD_SDC_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
@@ -375,7 +383,7 @@ class OperatorProcess:
             raise AssertionError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
         try:
             with urllib.request.urlopen(
-                f"{self.url}/readyz", timeout=1, context=self._context
+                f"{self.metrics_url}/readyz", timeout=1, context=self._context
             ) as response:
                 return bool(response.status == 200)
         except OSError:
@@ -388,7 +396,7 @@ class OperatorProcess:
 
     def metrics(self) -> str:
         with urllib.request.urlopen(
-            f"{self.url}/metrics", timeout=5, context=self._context
+            f"{self.metrics_url}/metrics", timeout=5, context=self._context
         ) as response:
             return str(response.read().decode())
 

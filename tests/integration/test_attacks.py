@@ -209,9 +209,9 @@ def test_slow_clients_are_cut_off(
     body = heartbeat(job)
     answer: dict[str, Any] = {}
 
-    def trickle(head: bytes = head) -> None:
+    def trickle(head: bytes = head, port: int = int(port)) -> None:
         answer.clear()
-        with socket.create_connection((host, int(port)), timeout=15) as sock:
+        with socket.create_connection((host, port), timeout=15) as sock:
             sock.sendall(head + f"Content-Length: {len(body)}\r\n\r\n".encode())
             for i in range(0, len(body) - 1, 5):
                 if select.select([sock], [], [], 0.3)[0]:
@@ -236,11 +236,13 @@ def test_slow_clients_are_cut_off(
     assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
     assert time.monotonic() - started < 6
 
-    # the admission webhook's path takes no token: a trickling review is cut off as fast
+    # the admission webhook's path (on its own port) takes no token: a trickling review is
+    # cut off as fast
     started = time.monotonic()
     trickle(
         f"POST {ADMISSION_PATH} HTTP/1.1\r\nHost: {host}\r\n"
-        "Content-Type: application/json\r\n".encode()
+        "Content-Type: application/json\r\n".encode(),
+        op.admission_port,
     )
     assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
     assert time.monotonic() - started < 6

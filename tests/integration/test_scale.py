@@ -43,7 +43,7 @@ def test_128_nodes_reporting_at_once_are_contained_within_5_s(
     assert summary(warm)["first_attempt_accepted"] == NODES, summary(warm)
     suspect = NODES // 2
     watcher = Contained(cluster, namespace)
-    probe = HealthProbe(op.url)
+    probe = HealthProbe(op.metrics_url)
     before = operator_api_requests(op.metrics())
     senders, released = burst(op.url, verdicts(job, list(range(NODES)), suspect), tokens)
     contained_at = watcher.wait(30)

@@ -55,7 +55,7 @@ def register_webhook(
     bundle = base64.b64encode(ca_cert.read_bytes()).decode()
     for entry in config["webhooks"]:
         path = entry["clientConfig"]["service"]["path"]
-        entry["clientConfig"] = {"url": f"{op.url}{path}", "caBundle": bundle}
+        entry["clientConfig"] = {"url": f"{op.admission_url}{path}", "caBundle": bundle}
     admission = client.AdmissionregistrationV1Api(cluster.api)
     admission.create_mutating_webhook_configuration(config)
     return name
@@ -495,7 +495,7 @@ def post_raw(
     op: OperatorProcess, body: bytes, content_type: str = "application/json"
 ) -> tuple[int, Any]:
     request = urllib.request.Request(
-        f"{op.url}/v1/admission/pods?timeout=5s",
+        f"{op.admission_url}/v1/admission/pods?timeout=5s",
         data=body,
         headers={"Content-Type": content_type},
         method="POST",
@@ -536,12 +536,36 @@ def test_bad_input_gets_a_clean_answer_never_a_500(
         assert (got, set(answer)) == (status, {"error", "message"}), (body[:40], answer)
     got, answer = post_raw(s.op, json.dumps(service).encode())
     assert got == 200 and answer["response"] == {"uid": "u-1", "allowed": True}
-    pod_without_spec = json.loads(json.dumps(service))
-    pod_without_spec["request"]["kind"]["kind"] = "Pod"
-    pod_without_spec["request"]["object"] = {"metadata": {"ownerReferences": "not a list"}}
-    got, answer = post_raw(s.op, json.dumps(pod_without_spec).encode())
+    pod = json.loads(json.dumps(service))
+    pod["request"]["kind"]["kind"] = "Pod"
+    got, answer = post_raw(s.op, json.dumps(pod).encode())
     assert got == 200 and answer["response"]["allowed"] is True
-    assert "Traceback" not in s.op.log()
+    # Reviews no API server writes: a field of another type is a 400 naming it, never a
+    # traceback (these were answered 200 with 60 tracebacks at ERROR), and a review nested
+    # 100,000 deep is a 400 too (it was a 500: RecursionError escaped the handler).
+    odd = {
+        "request.kind": {"kind": "Pod"},
+        "request.userInfo": {"userInfo": "system:admin"},
+        "request.object.metadata": {"object": {"metadata": [{"name": "x"}]}},
+        "request.object.metadata.ownerReferences": {
+            "object": {"metadata": {"ownerReferences": "not a list"}}
+        },
+        "request.object.metadata.labels": {"object": {"metadata": {"labels": ["a"]}}},
+    }
+    for field, change in odd.items():
+        body = json.loads(json.dumps(pod))
+        body["request"].update(change)
+        got, answer = post_raw(s.op, json.dumps(body).encode())
+        assert (got, answer["error"]) == (400, "malformed"), (field, answer)
+        assert answer["message"].startswith(field + ":"), (field, answer)
+    depth = 100_000
+    nested = (
+        b'{"apiVersion": "admission.k8s.io/v1", "request": ' + b"[" * depth + b"]" * depth + b"}"
+    )
+    got, answer = post_raw(s.op, nested)
+    assert (got, answer["error"]) == (400, "malformed"), answer
+    log = s.op.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("example", ["pytorchjob.yaml", "hyperpodpytorchjob.yaml"])

@@ -88,7 +88,7 @@ webhooks:
     reinvocationPolicy: Never
     clientConfig:
       service:
-        name: {{ $fullname }}
+        name: {{ $fullname }}-webhook
         namespace: {{ $root.Release.Namespace }}
         path: /v1/admission/pods
         port: {{ $root.Values.service.port }}
@@ -126,4 +126,15 @@ webhooks:
 {{- $selectors := list }}
 {{- range .Values.webhook.podSelectors }}{{ $selectors = append $selectors .objectSelector }}{{ end }}
 {{- toJson $selectors }}
+{{- end }}
+
+{{/* The DNS names of the operator's certificate: each of its three Services. */}}
+{{- define "hyperpod-sdc.dnsNames" -}}
+{{- $fullname := include "hyperpod-sdc.fullname" . }}
+{{- $ns := .Release.Namespace }}
+{{- $names := list }}
+{{- range $service := list $fullname (printf "%s-webhook" $fullname) (printf "%s-metrics" $fullname) }}
+{{- $names = concat $names (list $service (printf "%s.%s" $service $ns) (printf "%s.%s.svc" $service $ns) (printf "%s.%s.svc.cluster.local" $service $ns)) }}
+{{- end }}
+{{- toJson $names }}
 {{- end }}
