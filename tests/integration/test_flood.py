@@ -48,3 +48,37 @@ def test_a_bogus_token_flood_does_not_delay_containment(
     assert incident["status"]["node"] == job.node_name(1)
     log = op.log()
     assert " ERROR " not in log and "Traceback" not in log
+
+
+def test_new_bogus_tokens_from_a_few_sources_leave_the_review_budget_to_new_agents(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """Every request of the flood carries a token never seen before, from 12 addresses:
+    each address may cause a few reviews a second, so the flood cannot spend the shared
+    budget (before: 12 addresses drained it, and a never-seen real agent waited up to
+    24.7 s). The job's agents, never seen before either, are answered at once and the
+    incident is contained within 2 s of the second verdict."""
+    from sdc_agent.protocol import encode_report
+
+    job = make_job(cluster, namespace)
+    # a budget the flood could spend in well under a second without the per-source limit
+    op = start_operator(token_review_burst="200")
+    tokens = [cluster.token(namespace, pod) for pod in job.pods]
+    flood = Flood(op.url, 1500.0, [bogus_token() for _ in range(40_000)], sources=12)
+    flood.start()
+    time.sleep(4.0)
+    answers = []
+    for reporter in (0, 2):
+        answers.append(post(op.url, encode_report(verdict(job, reporter)), tokens[reporter]))
+    second = time.monotonic()
+    incident_in(cluster, namespace, "Contained", timeout=10)
+    contained = time.monotonic() - second
+    got = flood.stop()
+    print(f"flood {got}; contained {contained:.2f} s after the second report")
+    assert got["rate_achieved"] > 600, got  # the machine could drive the flood
+    assert "429" in got["answers"], got  # the flood was limited ...
+    # ... and the agents were not: their first try was accepted
+    assert [a[0] for a in answers] == [202, 202], answers
+    assert contained < 2.0, f"contained {contained:.2f} s after the second report"
+    log = op.log()
+    assert " ERROR " not in log and "Traceback" not in log

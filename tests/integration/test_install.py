@@ -51,6 +51,8 @@ def test_rendered_chart_is_created(
     for name in (
         f"deployment.apps/{release}",
         f"service/{release}",
+        f"service/{release}-webhook",
+        f"service/{release}-metrics",
         f"serviceaccount/{release}",
         f"secret/{release}-tls",
     ):
@@ -59,10 +61,10 @@ def test_rendered_chart_is_created(
         assert f"servicemonitor.monitoring.coreos.com/{release}" in cluster.kubectl(
             "get", "servicemonitors", "-n", namespace, "-o", "name"
         )
-        assert (
-            cluster.kubectl("get", "networkpolicy", "-n", namespace, "-o", "name").strip()
-            == f"networkpolicy.networking.k8s.io/{release}"
-        )
+        assert cluster.kubectl("get", "networkpolicy", "-n", namespace, "-o", "name").split() == [
+            f"networkpolicy.networking.k8s.io/{release}-{listener}"
+            for listener in ("admission", "intake", "metrics")
+        ]
 
 
 def can(

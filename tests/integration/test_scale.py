@@ -29,7 +29,13 @@ from .storm import (
 from .test_containment import make_job
 
 NODES = 128
-STORM_SETTINGS = {"rate_per_source": "1000000", "rate_source_burst": "1000000"}
+STORM_SETTINGS = {
+    "rate_per_source": "1000000",
+    "rate_source_burst": "1000000",
+    # every agent here reports from 127.0.0.1; in a cluster each pod has its own address
+    "token_reviews_per_source": "1000000",
+    "token_review_source_burst": "1000000",
+}
 """Every simulated agent sends from 127.0.0.1: the per-address limit would throttle the
 bench, not an attacker."""
 
