@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 
 import torch
@@ -91,6 +92,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     train(args)
+    gc.collect()  # frees the model's reducer: destroy_process_group() then ends the group
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,16 +10,26 @@ target=transformer.h.0.mlp,index=all".
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from sdc_agent.integrations.huggingface import SDCCallback
 
 
 def main() -> None:
+    train()
+    if dist.is_initialized():  # the Trainer started the process group; end it (quickstart.py)
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train() -> None:
     rank = int(os.environ.get("RANK", "0"))
     # One machine: let each process stand for a node, so the replay audit has partners on
     # "other nodes". On a cluster NODE_NAME comes from the pod spec.

@@ -6,6 +6,8 @@ Set HYPERPOD_SDC_FAULTS to run a drill, e.g.
 HYPERPOD_SDC_FAULTS="rank=1,step=20,site=weights,kind=bitflip,bit=3".
 """
 
+import gc
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,10 +48,13 @@ def train() -> None:
 
 def main() -> None:
     dist.init_process_group("gloo")  # "nccl" on GPUs
-    train()  # the model and its DDP reducer are gone when it returns
-    # Wait for every rank before tearing down: gloo can abort a process whose peers
-    # close their connections while it is still shutting down (seen with torch 2.13).
-    dist.barrier()
+    train()
+    # torch keeps DDP's constructor frame, and with it the model and its reducer, in a
+    # reference cycle: collect it, so that destroy_process_group() really ends the group
+    # and joins gloo's threads. Left running until the interpreter exits, they sometimes
+    # abort the process there ("terminate called without an active exception").
+    gc.collect()
+    dist.barrier()  # every rank done before any closes its connections
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ verdict names it; the operator's confirmation pod recomputes it on the suspect n
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -61,11 +62,13 @@ def main() -> None:
     sdc_agent.enable_determinism()  # before CUDA is used: the replay audit compares bits
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    train(args, cuda)  # the model and its DDP reducer are gone when it returns
-    # Wait for every rank before tearing down: gloo can abort a process whose peers
-    # close their connections while it is still shutting down, or whose DDP reducer
-    # still holds gloo work when the interpreter exits (seen with torch 2.13).
-    dist.barrier()
+    train(args, cuda)
+    # torch keeps DDP's constructor frame, and with it the model and its reducer, in a
+    # reference cycle: collect it, so that destroy_process_group() really ends the group
+    # and joins gloo's threads (left running at interpreter exit, they sometimes abort
+    # the process there: "terminate called without an active exception").
+    gc.collect()
+    dist.barrier()  # every rank done before any closes its connections
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ the torch-dependent names below load lazily, on first use.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
@@ -46,6 +47,16 @@ _LAZY = {
     "StepResult": "verdict",
     "Verdict": "verdict",
 }
+
+if "torch.distributed" in sys.modules:
+    # torch.distributed.nn.functional binds the default process group into its functions'
+    # default arguments when first imported, and DDP's constructor imports it (through
+    # torch._dynamo). Imported after init_process_group, it holds that group for good:
+    # destroy_process_group() no longer ends it, and gloo's threads are still running when
+    # the interpreter exits, where torch 2.13 sometimes aborts the process ("terminate
+    # called without an active exception"). Imported now, before the group exists, it
+    # binds None. (Only where torch is loaded already: sdc_agent.protocol needs no torch.)
+    importlib.import_module("torch.distributed.nn.functional")
 
 if TYPE_CHECKING:
     from .audit import ReplayStats

@@ -30,6 +30,10 @@ def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def _removed() -> str:
+    return "removed"
+
+
 class StepGate:
     """Applies one step's decision to the optimizer (see the module docstring)."""
 
@@ -59,6 +63,10 @@ class StepGate:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        # The phase function is the Guard's: holding it on would keep the Guard, its model
+        # and the model's process group alive until the garbage collector finds the cycle
+        # (see sdc_agent.guard._held_weakly).
+        self._phase = _removed
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         phase = self._phase()

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -127,7 +128,7 @@ class Guard:
         except BaseException:
             self._gate.remove()  # a Guard that failed to start leaves nothing behind
             raise
-        model.register_comm_hook(state=None, hook=self._comm_hook)
+        model.register_comm_hook(state=None, hook=_held_weakly(self))
         self._forward_handle = model.register_forward_pre_hook(self._forward_pre)
         self._setup_reporting(reporter)
         self._evidence = EvidenceKeeper(
@@ -1065,8 +1066,36 @@ class Guard:
         return fut.then(after)
 
 
-# DDP checks a hook's annotations by identity with the real types, and postponed
-# evaluation (``from __future__ import annotations``) left strings there.
-Guard._comm_hook.__annotations__.update(
-    bucket=dist.GradBucket, _state=object, **{"return": torch.futures.Future[torch.Tensor]}
-)
+def _held_weakly(
+    guard: Guard,
+) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """The comm hook DDP keeps: :meth:`Guard._comm_hook` through a weak reference.
+
+    DDP holds its hook from C++, where the garbage collector cannot see it. A hook that held
+    the Guard would make Guard -> model -> reducer -> hook -> Guard a cycle nothing frees: the
+    reducer, and with it the process group, would outlive ``destroy_process_group()``, and
+    gloo's worker threads would still be running when the interpreter exits (where torch
+    2.13 sometimes aborts the process: "terminate called without an active exception").
+    Once the Guard is gone the hook does what DDP does without one.
+    """
+    ref = weakref.ref(guard)
+    group, world_size = guard.group, guard.world_size
+
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        alive = ref()
+        if alive is not None:
+            return alive._comm_hook(state, bucket)
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / world_size)
+        return (
+            dist.all_reduce(buffer, group=group, async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0])
+        )
+
+    # DDP checks a hook's annotations by identity with the real types, and postponed
+    # evaluation (``from __future__ import annotations``) left strings there.
+    hook.__annotations__.update(
+        bucket=dist.GradBucket, state=object, **{"return": torch.futures.Future[torch.Tensor]}
+    )
+    return hook

@@ -63,11 +63,7 @@ def replicated_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] |
 
 
 def keeps_replicas_apart(optimizer: torch.optim.Optimizer) -> bool:
-    try:
-        from torch.distributed.optim import PostLocalSGDOptimizer
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(optimizer, PostLocalSGDOptimizer)
+    return _is_a(optimizer, "torch.distributed.optim.post_localSGD_optimizer.PostLocalSGDOptimizer")
 
 
 # Per-rank fingerprints go into the evidence up to this world size; beyond, only groups.
@@ -77,11 +73,21 @@ _EVIDENCE_MAX_TENSORS = 8
 
 
 def _is_sharded(optimizer: torch.optim.Optimizer) -> bool:
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # pragma: no cover - builds without distributed optimizers
-        return False
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    return _is_a(
+        optimizer, "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer"
+    )
+
+
+def _is_a(obj: object, qualified_name: str) -> bool:
+    """``isinstance`` by the class's qualified name, without importing its module.
+
+    ``torch.distributed.optim`` binds the default process group into a default argument
+    when it is imported: imported after ``init_process_group`` (as a check here would),
+    it holds that group for good, ``destroy_process_group()`` no longer ends it, and
+    gloo's threads outlive the training (see :func:`sdc_agent.guard._held_weakly`). An
+    optimizer of one of its classes exists only once the user imported it anyway.
+    """
+    return any(f"{c.__module__}.{c.__qualname__}" == qualified_name for c in type(obj).__mro__)
 
 
 @dataclass(frozen=True, slots=True)

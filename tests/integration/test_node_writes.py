@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from kubernetes import watch
+from kubernetes.client.exceptions import ApiException
 
 from sdc_operator import incidents
 from sdc_operator.actions import Actions
@@ -157,6 +158,27 @@ def test_release_keeps_a_cordon_someone_else_made_after_the_quarantine(
     assert bool(cluster.get_node(node)["spec"].get("unschedulable")) is recordoned
 
 
+def add_taint_like_a_controller(cluster: Cluster, node: str, taint: dict[str, str]) -> None:
+    """Add ``taint`` the way a controller does: read, patch with the read's
+    resourceVersion as a precondition, and on a conflict (someone wrote in between: here,
+    the operator) read again and retry."""
+    for _ in range(20):
+        current = cluster.get_node(node)
+        taints = [*(current["spec"].get("taints") or []), taint]
+        try:
+            cluster.core.patch_node(
+                node,
+                {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
+                 "spec": {"taints": taints}},
+                _content_type=MERGE,
+            )  # fmt: skip
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    raise AssertionError(f"node {node}: 20 conflicts in a row adding a taint")
+
+
 def test_another_controllers_taint_right_after_the_job_stops_survives(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
@@ -166,43 +188,47 @@ def test_another_controllers_taint_right_after_the_job_stops_survives(
     for trial in range(5):
         job = make_job(cluster, namespace, f"race{trial}")
         node = job.node_name(1)
-        suspended = threading.Event()
+        watching = threading.Event()
+        tainted = threading.Event()
+        failures: list[BaseException] = []
 
         def tainter(
             job: Job = job, node: str = node, delay: float = 0.02 * (trial % 3),
-            suspended: threading.Event = suspended,
+            watching: threading.Event = watching, tainted: threading.Event = tainted,
+            failures: list[BaseException] = failures,
         ) -> None:  # fmt: skip
-            w = watch.Watch()
-            for event in w.stream(
-                cluster.custom.list_namespaced_custom_object,
-                "kubeflow.org",
-                "v1",
-                namespace,
-                "pytorchjobs",
-                field_selector=f"metadata.name={job.name}",
-                timeout_seconds=30,
-            ):
-                if event["object"]["spec"].get("runPolicy", {}).get("suspend"):
-                    time.sleep(delay)
-                    current = cluster.get_node(node)
-                    taints = [*(current["spec"].get("taints") or []), FOREIGN]
-                    cluster.core.patch_node(
-                        node,
-                        {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
-                         "spec": {"taints": taints}},
-                        _content_type=MERGE,
-                    )  # fmt: skip
-                    suspended.set()
-                    w.stop()
-                    return
+            try:
+                w = watch.Watch()
+                for event in w.stream(
+                    cluster.custom.list_namespaced_custom_object,
+                    "kubeflow.org",
+                    "v1",
+                    namespace,
+                    "pytorchjobs",
+                    field_selector=f"metadata.name={job.name}",
+                    timeout_seconds=30,
+                ):
+                    watching.set()  # the job's ADDED event: the watch is open
+                    if event["object"]["spec"].get("runPolicy", {}).get("suspend"):
+                        time.sleep(delay)
+                        add_taint_like_a_controller(cluster, node, FOREIGN)
+                        tainted.set()
+                        w.stop()
+                        return
+            except BaseException as exc:  # reaches the test below, not the thread's void
+                failures.append(exc)
+                watching.set()
 
         thread = threading.Thread(target=tainter)
         thread.start()
-        time.sleep(0.3)  # the watch is open
+        assert watching.wait(30), f"trial {trial}: the other controller's watch never opened"
         for reporter in (0, 2):
             assert send(cluster, op, job, reporter, verdict(job, reporter))[0] == 202
         thread.join(30)
-        assert suspended.is_set()
+        assert not thread.is_alive(), f"trial {trial}: the other controller never saw the stop"
+        if failures:
+            raise AssertionError(f"trial {trial}: the other controller failed") from failures[0]
+        assert tainted.is_set()
 
         def quarantined(n: str = node) -> bool:
             return SUSPECT_KEY in (cluster.get_node(n)["metadata"].get("labels") or {})
