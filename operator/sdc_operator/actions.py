@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import confirmation, incidents, jobs, nodes
 from .caches import Caches
+from .effects import Effects, Emit
 from .errors import ApiError
 from .incidents import Action, Rules, now_iso, parse_time
 from .kube import Kube, is_conflict, is_not_found
@@ -43,7 +44,6 @@ __all__ = ["UNKNOWN", "Actions", "Outcome"]
 log = logging.getLogger(__name__)
 _NODE_CONFLICT_RETRIES = 20
 
-Emit = Callable[[dict[str, Any], str, str, bool], Awaitable[None]]
 UNKNOWN = "Unknown"
 """The result of a call whose fate cannot be told (no answer): never recorded; the action
 stays ``Pending`` and :meth:`Actions.verify` finds out what happened."""
@@ -98,10 +98,11 @@ class Actions:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
+        """For reads; every write goes through :attr:`effects`."""
         self.caches = caches
         self.settings = settings
         self.hyperpod = hyperpod
-        self._emit = emit
+        self.effects = Effects(kube, caches, hyperpod, emit=emit)
         self._clock = clock
         self._quarantine = asyncio.Lock()
         self._reserved: dict[str, set[str]] = {}
@@ -233,13 +234,9 @@ class Actions:
 
     async def _patch_job(self, job: dict[str, Any], patch: dict[str, Any]) -> None:
         meta = job["metadata"]
-        plural = jobs.JOB_KINDS[(job["apiVersion"], job["kind"])]
-        written = await self.kube.patch_object(
-            job["apiVersion"], plural, meta["namespace"], meta["name"], patch
+        await self.effects.patch_job(
+            job["apiVersion"], job["kind"], meta["namespace"], meta["name"], patch
         )
-        group = self.caches.jobs.get((job["apiVersion"], job["kind"]))
-        if group is not None:
-            group.upsert(written)
 
     async def _suspend_job(self, incident: dict[str, Any]) -> Outcome:
         job, why = await self._job(incident)
@@ -248,7 +245,7 @@ class Actions:
         if jobs.is_kueue_managed(job):
             done = await self._set_workloads_active(job, False)
             if done is not None:
-                await self._emit(job, "SDCJobStopped", f"{done} ({_ref(incident)})", True)
+                await self.effects.emit(job, "SDCJobStopped", f"{done} ({_ref(incident)})", True)
                 return Outcome("Succeeded", done)
         patch = jobs.suspend_patch(job)
         if patch is None:
@@ -257,7 +254,7 @@ class Actions:
             )
         await self._patch_job(job, patch)
         message = f"set runPolicy.suspend=true: suspected silent data corruption ({_ref(incident)})"
-        await self._emit(job, "SDCJobSuspended", message, True)
+        await self.effects.emit(job, "SDCJobSuspended", message, True)
         return Outcome("Succeeded", "set runPolicy.suspend=true")
 
     def _held(self, incident: dict[str, Any]) -> Outcome | None:
@@ -310,7 +307,7 @@ class Actions:
                 f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean} set "
                 "so that a restart by hand starts from a clean checkpoint"
             )
-            await self._emit(job, "SDCJobNotResumed", message, True)
+            await self.effects.emit(job, "SDCJobNotResumed", message, True)
             return Outcome("Skipped", message, ("Resumed", "False", reason, message))
         assert checkpoint is not None
         how = "lifted runPolicy.suspend"
@@ -325,7 +322,7 @@ class Actions:
             f"set {RESUME_MAX_STEP_ENV}={last_clean} on every container and {how}; "
             f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
         )
-        await self._emit(job, "SDCJobResumed", message, False)
+        await self.effects.emit(job, "SDCJobResumed", message, False)
         return Outcome(
             "Succeeded",
             message,
@@ -347,12 +344,8 @@ class Actions:
         for workload in owned:
             patch = jobs.workload_active_patch(workload, active)
             if patch is not None:
-                await self.kube.patch_object(
-                    jobs.KUEUE_WORKLOAD_API,
-                    jobs.KUEUE_WORKLOAD_PLURAL,
-                    job["metadata"]["namespace"],
-                    workload["metadata"]["name"],
-                    patch,
+                await self.effects.patch_workload(
+                    job["metadata"]["namespace"], workload["metadata"]["name"], patch
                 )
         names = ", ".join(w["metadata"]["name"] for w in owned)
         verb = "reactivated" if active else "deactivated"
@@ -404,7 +397,7 @@ class Actions:
             if patch is None:
                 return None
             try:
-                written = await self.kube.patch_node(name, patch)
+                written = await self.effects.patch_node(name, patch)
             except ApiError as exc:
                 if not is_conflict(exc):
                     raise
@@ -414,7 +407,6 @@ class Actions:
                     raise
                 node = fresh
                 continue
-            self.caches.nodes.upsert(written)
             return written
         raise ApiError(409, f"node {name}: too many concurrent changes")
 
@@ -440,7 +432,7 @@ class Actions:
             refusal = self._over_cap(incident, node_name, remaining)
             if refusal is not None:
                 self.forget(ref)
-                await self._emit(incident, "SDCQuarantineCapReached", refusal, True)
+                await self.effects.emit(incident, "SDCQuarantineCapReached", refusal, True)
                 return Outcome("Skipped", refusal, reason="CapReached")
             self._reserved[ref] = remaining
             try:
@@ -457,7 +449,7 @@ class Actions:
             return Outcome("Succeeded", "already cordoned, tainted, labelled and annotated")
         if (written["metadata"].get("annotations") or {}).get(nodes.PRIOR_CORDON_ANNOTATION):
             message += " (it was cordoned already: a release leaves it cordoned)"
-        await self._emit(written, "SDCNodeQuarantined", message, True)
+        await self.effects.emit(written, "SDCNodeQuarantined", message, True)
         return Outcome("Succeeded", message)
 
     def quarantined(self) -> list[dict[str, Any]]:
@@ -528,7 +520,7 @@ class Actions:
         message = f"released {node_name} after review: our taint, label and annotation removed" + (
             kept if (after.get("spec") or {}).get("unschedulable") else "; uncordoned"
         )
-        await self._emit(after, "SDCNodeReleased", message, False)
+        await self.effects.emit(after, "SDCNodeReleased", message, False)
         return _released("Succeeded", message)
 
     # -- remediation -----------------------------------------------------------------------
@@ -601,7 +593,7 @@ class Actions:
                         f"incident {other}; not calling again"
                     )
                     return self._remediated(kind, message)
-                ok, message = await self.hyperpod.remediate(kind, cluster, instance)
+                ok, message = await self.effects.remediate(kind, cluster, instance)
                 made = (action.action, node_name, boot)
                 if ok is False:  # refused: nothing was done, and anyone may ask again
                     self._requested.pop(made, None)
@@ -612,7 +604,7 @@ class Actions:
             if not ok:
                 return _remediation_failed(message)
         done = {"reboot": "RebootRequested", "replace": "ReplaceRequested"}[kind]
-        await self._emit(node, f"SDCNode{done}", message, True)
+        await self.effects.emit(node, f"SDCNode{done}", message, True)
         return self._remediated(kind, message)
 
     def _requested_elsewhere(
@@ -718,7 +710,7 @@ class Actions:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         how = "created"
         try:
-            pod = await self.kube.create("v1", "pods", namespace, body)
+            pod = await self.effects.create_pod(body)
         except ApiError as exc:
             if is_conflict(exc):
                 pod = await self.kube.get("v1", "pods", namespace, name)
@@ -737,7 +729,7 @@ class Actions:
         message = (
             f"{how} pod {namespace}/{name} on node {node}: python -m sdc_agent.confirm {bundle}"
         )
-        await self._emit(incident, "SDCConfirmationStarted", message, False)
+        await self.effects.emit(incident, "SDCConfirmationStarted", message, False)
         created = str((pod.get("metadata") or {}).get("creationTimestamp") or now_iso())
         return Outcome(
             "Succeeded",

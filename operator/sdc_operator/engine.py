@@ -33,6 +33,7 @@ from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
 from . import confirmation, incidents, jobs
 from .actions import UNKNOWN, Actions, Outcome
 from .caches import Caches
+from .effects import Effects
 from .errors import ApiError
 from .incidents import (
     HELD_PHASES,
@@ -90,7 +91,10 @@ class IncidentEngine:
         self.caches = caches
         self.records = records
         self.containment = containment
-        self.actions = Actions(containment, caches, settings, hyperpod, self._emit_leader)
+        self.effects = Effects(containment, caches, hyperpod)
+        """The leader's writes (containment); :attr:`recorded`: every replica's records."""
+        self.recorded = Effects(records, caches)
+        self.actions = Actions(containment, caches, settings, hyperpod, self.effects.emit)
         self.leader = False
         self._locks: dict[Key, asyncio.Lock] = {}
         self._pending: dict[Key, list[_Fold]] = {}
@@ -170,19 +174,6 @@ class IncidentEngine:
             self.caches.incidents.upsert(written)
             return written
         raise RuntimeError(f"incident {key[0]}/{key[1]}: too many write conflicts")
-
-    async def _emit(
-        self, kube: Kube, obj: dict[str, Any], reason: str, message: str, warning: bool
-    ) -> None:
-        try:
-            await kube.emit_event(obj, reason, message, warning=warning)
-        except Exception as exc:  # an Event is a courtesy; never fail an action over one
-            log.warning("could not post event %s: %s", reason, exc)
-
-    async def _emit_leader(
-        self, obj: dict[str, Any], reason: str, message: str, warning: bool
-    ) -> None:
-        await self._emit(self.containment, obj, reason, message, warning)
 
     # -- records: verdicts -------------------------------------------------------------------
 
@@ -282,7 +273,7 @@ class IncidentEngine:
             created = await self.records.get_incident(*key)  # created meanwhile
         else:
             self.metrics.incidents.labels(report.check, report.classification).inc()
-            self._spawn(self._emit(self.records, created, "Detected", report.message, True))
+            self._spawn(self.recorded.emit(created, "Detected", report.message, True))
         self.caches.incidents.upsert(created)
         return created
 
@@ -363,7 +354,7 @@ class IncidentEngine:
             hold = incidents.evidence_hold(incident, self.settings.agreement_nodes)
             message = hold[1] if hold else str(phase)
             reason = "SDCTransientFault" if phase == "Transient" else "SDCAwaitingEvidence"
-            self._spawn(self._emit(self.records, incident, reason, message, True))
+            self._spawn(self.recorded.emit(incident, reason, message, True))
         if self.leader and incidents.pending_actions(incident, self.rules_for(key[0])):
             self.schedule(*key)
 
@@ -404,15 +395,14 @@ class IncidentEngine:
                 return True
             patch["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             try:
-                written = await self.records.patch_object(
-                    job.api_version, plural, job.namespace, job.name, patch
+                await self.recorded.patch_job(
+                    job.api_version, job.kind, job.namespace, job.name, patch
                 )
             except ApiError as exc:
                 if not is_conflict(exc):
                     raise
                 current = None
                 continue
-            self.caches.jobs[(job.api_version, job.kind)].upsert(written)
             return True
         raise RuntimeError(f"job {job.namespace}/{job.name}: too many write conflicts")
 
@@ -440,8 +430,7 @@ class IncidentEngine:
                 continue
             marked.append(key[1])
             condition = next(c for c in changed[0]["conditions"] if c["type"] == "Resumed")
-            await self._emit(
-                self.records,
+            await self.recorded.emit(
                 written,
                 condition["reason"],
                 condition["message"],
@@ -665,7 +654,7 @@ class IncidentEngine:
             "not-confirmed": "SDCNotConfirmed",
             "unknown": "SDCConfirmationUnknown",
         }[outcome]
-        await self._emit(self.containment, incident, reason, message, outcome != "not-confirmed")
+        await self.effects.emit(incident, reason, message, outcome != "not-confirmed")
         log.warning("incident %s/%s: confirmation %s: %s", *_key_of(incident), outcome, message)
 
     async def _delete_pod(self, pod: dict[str, Any], uid: str) -> None:
@@ -676,7 +665,7 @@ class IncidentEngine:
         namespace, name = str(meta.get("namespace", "")), str(meta["name"])
         uid = uid or str(meta.get("uid") or "")
         try:
-            await self.containment.delete("v1", "pods", namespace, name, uid=uid or None)
+            await self.effects.delete_pod(namespace, name, uid)
         except ApiError as exc:
             if is_conflict(exc):
                 log.info("confirmation pod %s/%s was replaced since; left alone", namespace, name)
@@ -701,7 +690,7 @@ class IncidentEngine:
         if agreed is not None and phase == "Contained":
             self.metrics.report_to_contained.observe(time.monotonic() - agreed)
         self.refresh_quarantined()
-        await self._emit(self.containment, written, phase, message, False)
+        await self.effects.emit(written, phase, message, False)
         log.warning("incident %s/%s: %s", *key, message)
 
     def refresh_quarantined(self) -> None:

@@ -289,11 +289,11 @@ class Operator:
                 "the job runs unobserved (agents crashed, or cannot reach the operator)"
             )
             log.warning("job %s/%s: %s", beats.job.namespace, beats.job.name, message)
-            await self.engine._emit(self.containment, job, "SDCAgentsSilent", message, True)
+            await self.engine.effects.emit(job, "SDCAgentsSilent", message, True)
         for beats in came:
             job = self._job_body(beats.job)
-            await self.engine._emit(
-                self.containment, job, "SDCAgentsReporting", "heartbeats arrive again", False
+            await self.engine.effects.emit(
+                job, "SDCAgentsReporting", "heartbeats arrive again", False
             )
 
     def _running(self, ref: Any) -> bool:

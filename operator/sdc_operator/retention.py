@@ -18,6 +18,7 @@ from typing import Any
 
 from . import incidents, jobs
 from .caches import Caches
+from .effects import Effects
 from .errors import ApiError
 from .incidents import Rules
 from .kube import Kube, is_conflict, is_not_found
@@ -65,6 +66,7 @@ async def sweep(
         for n in caches.nodes.values()
     }
     deleted = []
+    effects = Effects(kube, caches)
     for incident in caches.incidents.values():
         meta = incident["metadata"]
         ref = f"{meta['namespace']}/{meta['name']}"
@@ -80,12 +82,11 @@ async def sweep(
                 continue
             why = "job_deleted"
         try:
-            await kube.delete_incident(incident)
+            await effects.delete_incident(incident)
         except ApiError as exc:
             if is_not_found(exc) or is_conflict(exc):
                 continue  # gone, or changed since it was read: left for the next sweep
             raise
-        caches.incidents.forget(incident)
         metrics.retention_deleted.labels(why).inc()
         log.info("retention: deleted incident %s (%s, last change %s)", ref, why, last)
         deleted.append(ref)
