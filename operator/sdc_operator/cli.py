@@ -239,7 +239,8 @@ def _gpu_line(gpu: Mapping[str, Any]) -> str:
     seconds = gpu.get("seconds")
     timing = f"{float(seconds):.1f} s" if isinstance(seconds, int | float) else "-"
     index, result = gpu.get("index", "-"), gpu.get("result", "-")
-    return f"  {index!s:<5} {local!s:<10} {uuid:<42} {result:<20} {timing}"
+    why = f"  {gpu['why']}" if gpu.get("why") else ""
+    return f"  {index!s:<5} {local!s:<10} {uuid:<42} {result:<20} {timing}{why}"
 
 
 def render_describe(incident: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:

@@ -401,6 +401,8 @@ def _gpus(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
                     entry[ours] = kind(value)
                 except (TypeError, ValueError):
                     continue
+        if gpu.get("why"):  # why it could not run, or what differed: the person deciding needs it
+            entry["why"] = str(gpu["why"])[:512]
         out.append(entry)
     return out[:64]
 

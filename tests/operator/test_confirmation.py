@@ -262,6 +262,16 @@ def test_the_exit_code_and_the_summary_give_the_outcome() -> None:
     assert found is not None and found[:2] == ("unknown", "Inconclusive")
 
 
+def test_a_gpu_that_could_not_run_keeps_its_reason() -> None:
+    said = json.loads(summary("unknown", (0, "does-not-reproduce"), (1, "could-not-run")))
+    said["gpus"][1]["why"] = "recomputing failed: RuntimeError: CUDA error: ECC"
+    found = judge(terminated(4, json.dumps(said)))
+    assert found is not None
+    gpus = found[3]["gpus"]
+    assert gpus[1]["why"] == "recomputing failed: RuntimeError: CUDA error: ECC"
+    assert "why" not in gpus[0]
+
+
 def test_a_crash_or_a_lying_message_is_unknown() -> None:
     found = judge(terminated(1, "Traceback (most recent call last): ImportError: no torch"))
     assert (
