@@ -99,9 +99,11 @@ KEYWORDS = {
 
 
 def operator_metrics() -> dict[str, set[str]]:
-    """Every series name the operator's /metrics exposes, with its labels (each labelled
-    metric touched once, so its series appear in the exposition)."""
+    """Every series name the leader's /metrics exposes, with its labels (each labelled
+    metric touched once, so its series appear in the exposition; the leader-owned gauges
+    appear on the leader only)."""
     metrics = Metrics()
+    metrics.lead(True)
     for value in vars(metrics).values():
         names = getattr(value, "_labelnames", None)
         if names:
