@@ -377,6 +377,7 @@ def test_dockerfile_is_multi_stage_non_root_and_torch_free() -> None:
     assert 'ENTRYPOINT ["python", "-m", "sdc_operator"]' in text
 
 
+@pytest.mark.slow  # a pip install into a fresh venv: 30 s to 100 s on 2 cores
 def test_the_images_install_recipe_gives_a_torch_free_operator(tmp_path: Path) -> None:
     """The Dockerfile's two RUN steps (no container runtime here): a wheel of the project,
     installed with the operator extra into a clean environment, runs without torch."""

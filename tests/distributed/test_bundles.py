@@ -23,7 +23,8 @@ from sdc_agent.launch import free_port, spawn_local
 from sdc_agent.protocol import VerdictReport
 from tests.unit.test_reporter import Operator
 
-pytestmark = pytest.mark.distributed
+# slow: a six-rank world (about 2 min on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]

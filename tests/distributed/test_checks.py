@@ -127,7 +127,14 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
 }
 
 
-@pytest.fixture(scope="module", params=sorted(WORLDS))
+# The fast tier (scripts/test.sh --fast) runs the three-rank world: every scenario, and the
+# bit-identity check against plain DDP; the four-rank world repeats them with two ranks on
+# each node.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(3, marks=pytest.mark.fast), pytest.param(4, marks=pytest.mark.slow)],
+    ids=str,
+)
 def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[DrillRank]]]:
     size = request.param
     names = list(SCENARIOS)

@@ -10,7 +10,8 @@ import pytest
 
 from sdc_agent.launch import spawn_local
 
-pytestmark = pytest.mark.distributed
+# slow: Trainer worlds that import transformers in every rank (about 2 min on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n1", "n2"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # accelerate sets 2 otherwise: ranks share 2 cores

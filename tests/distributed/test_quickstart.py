@@ -63,6 +63,7 @@ def test_quickstart_drill_from_the_environment_is_caught() -> None:
     assert "done: last clean step 10" in proc.stdout
 
 
+@pytest.mark.slow  # two three-rank runs: about 27 s on 2 cores
 def test_custom_loop_example_runs_clean_and_catches_a_drill() -> None:
     proc = run({}, nproc=3, script="custom_loop.py")
     finished(proc)
@@ -74,6 +75,7 @@ def test_custom_loop_example_runs_clean_and_catches_a_drill() -> None:
     assert "step 15: rank(s) 1 computed a wrong result" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # transformers imported in three ranks: about 21 s on 2 cores
 def test_huggingface_example_runs_clean() -> None:
     proc = run({}, nproc=3, script="huggingface_trainer.py")
     finished(proc)

@@ -13,7 +13,8 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank, run_drill
 from sdc_agent.faults import FaultSpec
 
-pytestmark = pytest.mark.distributed
+# slow: several worlds of replay audits (about 100 s each on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLDS = {
     "3x1": ["n0", "n1", "n2"],

@@ -9,7 +9,8 @@ import pytest
 
 from sdc_agent.launch import spawn_local
 
-pytestmark = pytest.mark.distributed
+# slow: six-rank runs, interrupted and resumed (about 2 min on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]  # six ranks: sums of six depend on their order
 STEPS = 12

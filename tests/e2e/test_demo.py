@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the whole demo: about 2 min on 2 cores
 def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     done = subprocess.run(

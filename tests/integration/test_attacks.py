@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
 from sdc_operator.webhook import ADMISSION_PATH
@@ -172,6 +174,8 @@ def test_a_pod_that_never_ran_on_its_node_accuses_nobody(
     assert_quiet(op)
 
 
+# timing: 2 s header and body timeouts; the 50 slow clients must be closed within 15 s: 13 s margin
+@pytest.mark.timing
 def test_slow_clients_are_cut_off(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

@@ -201,6 +201,7 @@ def annotation_of(cluster: Cluster, incident: dict[str, Any]) -> str | None:
     return (got["metadata"].get("annotations") or {}).get(ACTION_ANNOTATION)
 
 
+@pytest.mark.fast
 def test_describe_prints_the_timeline_in_order(cluster: Cluster, namespace: str) -> None:
     job = make_job(cluster, namespace)
     incident = record(cluster, job, phase="Contained")

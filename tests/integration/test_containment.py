@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_operator.names import INCIDENT_ANNOTATION, SUSPECT_KEY
@@ -129,6 +131,7 @@ NOT_RESUMED = ("resume-job", "Skipped")
 """No verified checkpoint was reported in these tests: the job stays suspended."""
 
 
+@pytest.mark.fast
 def test_verdict_from_two_nodes_reporters_is_contained(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
 ) -> None:

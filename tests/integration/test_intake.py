@@ -35,6 +35,7 @@ def snapshot(cluster: Cluster, job: Job) -> tuple[Any, ...]:
     )
 
 
+@pytest.mark.fast
 def test_refusals_change_nothing(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
@@ -202,6 +203,7 @@ def test_flood_from_one_job_is_rate_limited(
     assert 'hyperpod_sdc_refusals_total{reason="rate_limited"} 3.0' in op.metrics()
 
 
+@pytest.mark.fast
 def test_duplicates_fold_into_one_incident(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

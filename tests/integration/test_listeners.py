@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sdc_operator.webhook import ADMISSION_PATH
 from tests.tls import issue, make_ca
 
@@ -91,6 +93,9 @@ def test_the_tenants_port_serves_only_the_reports(
     assert_quiet(op)
 
 
+# timing: 1 s handshake timeout; the limited connections close < 0.5 s, the timed ones in (0.8, 3.0)
+# s: 0.2 s early, 2 s late margin
+@pytest.mark.timing
 def test_tls_handshakes_are_timed_and_limited_per_source(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
 ) -> None:

@@ -111,6 +111,7 @@ def test_a_taint_and_cordon_added_after_our_read_survive_and_the_release_keeps_t
     assert PRIOR_CORDON_ANNOTATION not in (released["metadata"].get("annotations") or {})
 
 
+@pytest.mark.fast
 def test_quarantine_keeps_a_taint_added_after_our_read(
     cluster: Cluster, namespace: str, endpoint: Endpoint
 ) -> None:

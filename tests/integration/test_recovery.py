@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from sdc_agent.protocol import CheckpointReport, ReporterIdentity, ResumeReport, encode_report
 
 from .cluster import Cluster, OperatorProcess, post, wait_for
@@ -86,6 +88,7 @@ def env_of(body: dict[str, Any]) -> list[list[dict[str, str]]]:
     ]
 
 
+@pytest.mark.fast
 def test_resume_sets_the_variable_unsuspends_and_hears_back(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

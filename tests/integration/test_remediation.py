@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
 from sdc_operator.names import SUSPECT_KEY
 
@@ -50,6 +52,7 @@ def contain(
         )
 
 
+@pytest.mark.fast
 def test_manual_approval_then_replace_calls_the_api_once(
     cluster: Cluster,
     namespace: str,

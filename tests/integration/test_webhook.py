@@ -219,6 +219,7 @@ def strip_none(spec: dict[str, Any]) -> dict[str, Any]:
 # -- the tests ----------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_an_opted_in_jobs_pod_gets_exactly_the_wiring(
     cluster: Cluster, namespace: str, setup: Callable[..., Setup]
 ) -> None:
