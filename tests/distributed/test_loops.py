@@ -18,7 +18,8 @@ import pytest
 
 from sdc_agent.launch import spawn_local
 
-pytestmark = pytest.mark.distributed
+# slow: one world runs every loop form (setup about 45 s on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n1", "n2"]
 SUSPECT = 1

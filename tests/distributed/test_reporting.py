@@ -13,7 +13,8 @@ from sdc_agent.launch import free_port
 from sdc_agent.protocol import HeartbeatReport, VerdictReport
 from tests.unit.test_reporter import Operator
 
-pytestmark = pytest.mark.distributed
+# slow: six-rank worlds reporting to a loopback operator (20 s to 80 s each on 2 cores)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 FAULT = FaultSpec(
