@@ -88,6 +88,7 @@ def _requests(op: OperatorProcess, client: str, verb: str) -> dict[tuple[str, st
     return found
 
 
+@pytest.mark.slow
 def test_twenty_namespaces_watched_every_cache_is_fresh(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
