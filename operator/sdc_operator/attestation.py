@@ -1,24 +1,39 @@
-"""Which pods the training operator created: a signed annotation the webhook writes.
+"""Which pods the training operator created: a marker whose truth the API server enforces.
 
 A pod's controller owner reference is written by whoever creates the pod, so it proves
 nothing by itself: anyone who may create pods in a namespace could point one at an
-opted-in job. The mutating webhook sees who creates each pod (``userInfo.username`` of
-the admission request). For a pod created by a trusted creator (the training operator's
-ServiceAccount) it writes::
+opted-in job. Who creates a pod is known for certain only inside the API server
+(``request.userInfo``); an admission webhook is told it in a review that anyone who can
+reach the webhook can write, so nothing the webhook answers may serve as proof (a
+signature it hands out, as the ``v2`` attestation was, is a capability a tenant can ask
+for with a forged review).
 
-    hyperpod-sdc.dev/created-by:  <username>
-    hyperpod-sdc.dev/attestation: v2:<unix seconds>:<base64url of HMAC-SHA256(key, message)>
-    message = "v2|<namespace>|<name>|<controlling owner's uid>|<username>|<unix seconds>"
+So the proof is the API server's own refusal. The mutating webhook writes, on a pod a
+trusted creator (the training operator's ServiceAccount) creates with a controlling owner::
 
-and it strips both from every other creator's pod, so a copied or hand-written value does
-not survive admission. The HMAC binds the annotation to the pod's namespace, name (or
-``generateName`` when the name is assigned later), controlling owner, creator and the time
-of admission; a pod verifies only if the API server created it within
-:data:`WINDOW_SECONDS` of that time. So an attestation cannot be moved to another pod even
-where the webhook did not run (it was down under ``failurePolicy: Ignore``): not to another
-name, and not to a pod made later under the name of a deleted genuine one (training
-operators reuse pod names). The key is the operator's (a Secret in its own namespace);
-tenants never see it.
+    labels:      hyperpod-sdc.dev/attested: "true"
+    annotations: hyperpod-sdc.dev/created-by: <username>
+
+and strips both from every other pod; and a validating check that the API server runs
+after every mutation, where the user is the real one, refuses (:func:`creator_refusal`):
+
+- a pod created with the marker by anyone but a trusted creator, or naming another creator;
+- an update that adds the marker, or changes the creator it names.
+
+That check is a ``ValidatingAdmissionPolicy`` (Kubernetes 1.30 and later: inside the API
+server, it cannot be unreachable or flooded) or the operator's validating webhook
+(``failurePolicy: Fail``, any version: a review it does not answer refuses the pod, and
+a review a tenant forges earns the tenant an ``allowed`` nobody acts on). Both select
+pods by the marker label, so no pod that carries it escapes them. A marked pod in the
+cluster was therefore created by a trusted creator, and the intake believes the marker on
+the pod the API server stores (and on nothing a client sends). A pod made again under a
+deleted genuine pod's name is a new pod: without the marker unless a trusted creator made
+it, and with a new uid, which the agent's bound token must name.
+
+The ``v2`` HMAC attestation of earlier versions is verified only where
+``HYPERPOD_SDC_LEGACY_ATTESTATION_UNTIL`` says so, for pods created before that date
+(:func:`verify_legacy`), so that training pods running through an upgrade keep reporting;
+it is never written any more.
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,28 +56,89 @@ __all__ = [
     "ATTESTATION_ANNOTATION",
     "CREATED_BY_ANNOTATION",
     "KEY_BYTES",
+    "MARKER_LABEL",
     "WINDOW_SECONDS",
     "AttestationKey",
-    "attestation_for",
+    "creator_refusal",
     "load_key",
     "sign",
+    "verify_legacy",
     "verify_pod",
 ]
 
 log = logging.getLogger(__name__)
 
-ATTESTATION_ANNOTATION = f"{GROUP}/attestation"
+MARKER_LABEL = f"{GROUP}/attested"
+"""The label (``"true"``) on a pod a trusted creator made; a label, not an annotation, so
+that the validating check can select every pod that carries it."""
 CREATED_BY_ANNOTATION = f"{GROUP}/created-by"
+ATTESTATION_ANNOTATION = f"{GROUP}/attestation"
+"""The ``v2`` HMAC of earlier versions (legacy, read only)."""
 KEY_BYTES = 32
 _VERSION = "v2"
 WINDOW_SECONDS = 60
-"""How far a pod's ``creationTimestamp`` may lie from the time its attestation was signed:
-the webhook answers within its timeout (at most 30 s) before the API server stores the pod,
-plus clock skew between the operator's node and the API server's."""
+"""How far a pod's ``creationTimestamp`` may lie from the time its ``v2`` attestation was
+signed."""
+
+
+def _labels(pod: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return ((pod or {}).get("metadata") or {}).get("labels") or {}
+
+
+def _creator(pod: Mapping[str, Any] | None) -> Any:
+    return (((pod or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_BY_ANNOTATION)
+
+
+def creator_refusal(
+    operation: str,
+    pod: Mapping[str, Any],
+    old: Mapping[str, Any] | None,
+    username: str,
+    trusted: Collection[str],
+) -> str | None:
+    """Why the API server must refuse this write of ``pod`` (``old``: the pod before an
+    update) by ``username``, or ``None``: the rule of the module's docstring, which the
+    chart's ValidatingAdmissionPolicy states again in CEL."""
+    if MARKER_LABEL not in _labels(pod):
+        return None  # an unmarked pod claims nothing
+    if operation == "CREATE":
+        if username not in trusted:
+            return (
+                f"{MARKER_LABEL} may be set only by a trusted pod creator (the training "
+                f"operator), not by {username or 'an anonymous user'}"
+            )
+        if _creator(pod) != username:
+            return f"{CREATED_BY_ANNOTATION} must name the pod's creator, {username}"
+        return None
+    if operation == "UPDATE":
+        if MARKER_LABEL not in _labels(old):
+            return f"{MARKER_LABEL} cannot be added to an existing pod"
+        if _creator(pod) != _creator(old):
+            return f"{CREATED_BY_ANNOTATION} cannot be changed"
+    return None
+
+
+def verify_pod(pod: Mapping[str, Any], trusted_creators: Collection[str]) -> tuple[bool, str]:
+    """``(genuine, why)`` for ``pod`` as the API server stores it: it carries the marker,
+    naming a trusted creator."""
+    meta = pod.get("metadata") or {}
+    ref = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    username = _creator(pod)
+    if (meta.get("labels") or {}).get(MARKER_LABEL) != "true" or not username:
+        return False, (
+            f"{ref} carries no {MARKER_LABEL}: the admission webhook did not see a trusted "
+            "pod creator make it"
+        )
+    if username not in trusted_creators:
+        return False, f"{ref} was created by {username}, not by a trusted pod creator"
+    if not _controller_uid(meta):
+        return False, f"{ref} has no controlling owner"
+    return True, f"{ref} was created by {username}"
 
 
 def sign(key: bytes, namespace: str, name: str, owner_uid: str, username: str, at: int) -> str:
-    """The attestation value for a pod with these facts, admitted at unix time ``at``."""
+    """The ``v2`` attestation value for a pod with these facts, admitted at unix time ``at``
+    (what earlier versions wrote; the tests make legacy pods with it)."""
     if len(key) < 16:
         raise ValueError("attestation key: must be at least 16 bytes")
     message = "|".join((_VERSION, namespace, name, owner_uid, username, str(at))).encode()
@@ -75,20 +151,6 @@ def _controller_uid(meta: Mapping[str, Any]) -> str | None:
         if ref.get("controller"):
             return str(ref.get("uid") or "")
     return None
-
-
-def attestation_for(
-    key: bytes, pod: Mapping[str, Any], username: str, at: int | None = None
-) -> str | None:
-    """What the webhook writes on ``pod`` (as submitted for creation, at unix time ``at``,
-    default now), or ``None`` for a pod without a controlling owner or a name."""
-    meta = pod.get("metadata") or {}
-    name = meta.get("name") or meta.get("generateName")
-    owner = _controller_uid(meta)
-    if not name or not owner:
-        return None
-    when = int(time.time()) if at is None else at
-    return sign(key, str(meta.get("namespace") or ""), str(name), owner, username, when)
 
 
 def _signed_at(value: str) -> int | None:
@@ -109,12 +171,13 @@ def _created_at(meta: Mapping[str, Any]) -> float | None:
         return None
 
 
-def verify_pod(
-    key: bytes, pod: Mapping[str, Any], trusted_creators: frozenset[str] | set[str]
+def verify_legacy(
+    key: bytes, pod: Mapping[str, Any], trusted_creators: Collection[str], until: float
 ) -> tuple[bool, str]:
-    """``(genuine, why)``: the pod carries a valid attestation by a trusted creator for its
-    own namespace, name (or generate name) and controlling owner, signed when the API server
-    created it (within :data:`WINDOW_SECONDS`)."""
+    """``(genuine, why)`` by the ``v2`` attestation of earlier versions, for a pod the API
+    server created before unix time ``until`` (and only while it is earlier than that): a
+    valid HMAC by a trusted creator for its own namespace, name (or generate name) and
+    controlling owner, signed within :data:`WINDOW_SECONDS` of its creation."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     value = annotations.get(ATTESTATION_ANNOTATION)
@@ -136,6 +199,8 @@ def verify_pod(
     created = _created_at(meta)
     if created is None:
         return False, f"{ref} has no creationTimestamp"
+    if time.time() >= until or created >= until:
+        return False, f"{ref} carries only a legacy {_VERSION} attestation, no longer accepted"
     if abs(created - at) > WINDOW_SECONDS:
         return False, (
             f"{ref} was created {created - at:+.0f} s from when its attestation was signed: "
@@ -152,8 +217,8 @@ def verify_pod(
 
 @dataclass(frozen=True, slots=True)
 class AttestationKey:
-    """The key every replica signs (webhook) and verifies (intake) with, loaded once at
-    start-up by :func:`load_key`."""
+    """The key the ``v2`` attestations of earlier versions were signed with (verified by
+    :func:`verify_legacy` only), loaded once at start-up by :func:`load_key`."""
 
     value: bytes
 

@@ -49,6 +49,8 @@ __all__ = [
 
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+"""Set by API servers of Kubernetes 1.30 and later (bound tokens name the pod's node)."""
 SA_PREFIX = "system:serviceaccount:"
 MAX_TOKEN_BYTES = 16 * 1024
 """A projected ServiceAccount token is 1 to 2 KiB."""
@@ -61,6 +63,9 @@ class PodIdentity:
     pod: str
     pod_uid: str | None = None
     """Set by TokenReview; the intake checks it against the pod it knows."""
+    node: str | None = None
+    """The node the token was issued on, where TokenReview says (1.30+); the intake checks
+    it against the pod's node."""
 
 
 class Authenticator(Protocol):
@@ -243,7 +248,13 @@ class TokenReviewer:
                 "token is not bound to a pod: mount a projected ServiceAccount token "
                 f"with audience {self._audience!r} (docs/operator.md)"
             )
-        return PodIdentity(namespace, str(pods[0]), str(uids[0]) if uids else None)
+        nodes = extra.get(NODE_NAME_EXTRA) or []
+        return PodIdentity(
+            namespace,
+            str(pods[0]),
+            str(uids[0]) if uids else None,
+            str(nodes[0]) if nodes else None,
+        )
 
 
 def _settle(shared: asyncio.Future[PodIdentity], task: asyncio.Task[PodIdentity]) -> None:

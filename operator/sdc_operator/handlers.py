@@ -121,17 +121,11 @@ class Operator:
             webhook_settings,
             token_audience=settings.token_audience,
             trusted_creators=lambda: settings.trusted_pod_creators,
-            key=self._attestation_key,
             leader=lambda: self.engine.leader,
             registry=self.metrics.registry,
             serving=self.serving,
             caches=self.caches,
         )
-
-    def _attestation_key(self) -> bytes:
-        if self.key is None:  # only before start() loaded it; the intake is not up then
-            raise OperatorError("the attestation key is not loaded yet")
-        return self.key.value
 
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:

@@ -13,9 +13,10 @@ same name, a volume of the same name, a mount at the same path. The annotation
 ``hyperpod-sdc.dev/injection`` says what was added and what was kept. Variables come
 first in ``env``, so the pod's own variables can refer to them as ``$(NODE_NAME)``.
 
-Independently of opt-in, every pod the webhook is sent gets its attestation
-(:mod:`.attestation`): written for a trusted pod creator, stripped for anyone else, so a
-copied value never survives admission.
+Independently of opt-in, every pod the webhook is sent gets its creator marker
+(:mod:`.attestation`): written for a trusted pod creator, stripped for anyone else (the
+API server's validating check refuses a marker the webhook did not write, where the
+webhook did not run).
 
 The patch is an RFC 6902 JSON Patch computed from the pod before and after, replacing whole
 lists (``env``, ``volumeMounts``, ``volumes``) and single annotations, so it applies to
@@ -26,11 +27,11 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, attestation_for
+from .attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from .names import GROUP
 from .policy import selector_matches
 
@@ -233,42 +234,58 @@ def _set_annotation(pod: dict[str, Any], key: str, value: str | None) -> None:
     meta["annotations"] = annotations
 
 
+def _set_label(pod: dict[str, Any], key: str, value: str | None) -> None:
+    meta = pod.setdefault("metadata", {})
+    labels = dict(meta.get("labels") or {})
+    if value is None:
+        labels.pop(key, None)
+    else:
+        labels[key] = value
+    meta["labels"] = labels
+
+
 def strip_attestation(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``pod`` without either attestation annotation."""
+    """A copy of ``pod`` without the creator marker (label and annotation) and without a
+    legacy ``v2`` attestation."""
     out = copy.deepcopy(dict(pod))
     for key in (CREATED_BY_ANNOTATION, ATTESTATION_ANNOTATION):
         _set_annotation(out, key, None)
+    if MARKER_LABEL in ((out.get("metadata") or {}).get("labels") or {}):
+        _set_label(out, MARKER_LABEL, None)
     return out
 
 
-def attest(
-    pod: Mapping[str, Any], username: str, trusted: Sequence[str], key: Callable[[], bytes]
-) -> dict[str, Any]:
-    """A copy of ``pod`` (being created by ``username``) with its attestation written if
+def _has_controller(pod: Mapping[str, Any]) -> bool:
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return any(isinstance(r, Mapping) and r.get("controller") for r in refs)
+
+
+def attest(pod: Mapping[str, Any], username: str, trusted: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``pod`` (being created by ``username``) with the creator marker written if
     the creator is trusted and the pod has a controlling owner, else with none."""
     out = strip_attestation(pod)
-    if username not in trusted:
-        return out
-    value = attestation_for(key(), out, username)
-    if value is not None:
+    if username in trusted and _has_controller(out):
+        _set_label(out, MARKER_LABEL, "true")
         _set_annotation(out, CREATED_BY_ANNOTATION, username)
-        _set_annotation(out, ATTESTATION_ANNOTATION, value)
     return out
 
 
 def restore_attestation(
     pod: Mapping[str, Any], old: Mapping[str, Any], old_was_seen: bool
 ) -> dict[str, Any]:
-    """A copy of ``pod`` (an update of ``old``) whose attestation is the one ``old`` had at
+    """A copy of ``pod`` (an update of ``old``) whose marker is the one ``old`` had at
     admission: an update never writes one. A pod the webhook never saw created (its labels
     did not select it then) keeps none, so relabelling does not launder a copied value."""
     out = strip_attestation(pod)
     if not old_was_seen:
         return out
-    annotations = (old.get("metadata") or {}).get("annotations") or {}
+    meta = old.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
     for key in (CREATED_BY_ANNOTATION, ATTESTATION_ANNOTATION):
         if key in annotations:
             _set_annotation(out, key, str(annotations[key]))
+    if MARKER_LABEL in (meta.get("labels") or {}):
+        _set_label(out, MARKER_LABEL, str(meta["labels"][MARKER_LABEL]))
     return out
 
 
@@ -308,17 +325,18 @@ def _list_ops(before: Any, after: Any, path: str) -> list[dict[str, Any]]:
 
 def json_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The JSON Patch that turns ``before`` into ``after``, for the parts this module
-    changes: annotations (one by one), ``spec.volumes``, and each container's ``env`` and
-    ``volumeMounts``. Containers are never added, removed or reordered."""
+    changes: labels and annotations (one by one), ``spec.volumes``, and each container's
+    ``env`` and ``volumeMounts``. Containers are never added, removed or reordered."""
     ops: list[dict[str, Any]] = []
     old_meta, new_meta = before.get("metadata") or {}, after.get("metadata") or {}
-    old_ann, new_ann = old_meta.get("annotations"), new_meta.get("annotations") or {}
-    if old_ann is None and new_ann:
-        ops.append({"op": "add", "path": "/metadata/annotations", "value": dict(new_ann)})
-    elif old_ann is not None:
-        for k in sorted(set(old_ann) | set(new_ann)):
-            path = _pointer("metadata", "annotations", k)
-            ops += _list_ops(old_ann.get(k), new_ann.get(k), path)
+    for part in ("labels", "annotations"):
+        old_map, new_map = old_meta.get(part), new_meta.get(part) or {}
+        if old_map is None and new_map:
+            ops.append({"op": "add", "path": f"/metadata/{part}", "value": dict(new_map)})
+        elif old_map is not None:
+            for k in sorted(set(old_map) | set(new_map)):
+                path = _pointer("metadata", part, k)
+                ops += _list_ops(old_map.get(k), new_map.get(k), path)
     old_spec, new_spec = before.get("spec") or {}, after.get("spec") or {}
     ops += _list_ops(old_spec.get("volumes"), new_spec.get("volumes"), "/spec/volumes")
     old_containers = old_spec.get("containers") or []

@@ -47,7 +47,7 @@ from sdc_agent.protocol import (
 )
 
 from . import jobs
-from .attestation import AttestationKey, verify_pod
+from .attestation import ATTESTATION_ANNOTATION, AttestationKey, verify_legacy, verify_pod
 from .auth import Authenticator, PodIdentity, bearer_token
 from .caches import Caches
 from .engine import IncidentEngine
@@ -160,6 +160,7 @@ class Intake:
         self.limiter = RateLimiter(settings.rate_per_job, settings.rate_burst)
         self.sources = RateLimiter(settings.rate_per_source, settings.rate_source_burst)
         self.trusted = frozenset(settings.trusted_pod_creators)
+        self.legacy_until = settings.legacy_until()
         self.pod_selectors: tuple[dict[str, Any], ...] = ()
         """The admission webhook's pod selectors (set by the operator); empty: not checked."""
         self.ready: Callable[[], bool] = lambda: True
@@ -415,6 +416,14 @@ class Intake:
             raise Refusal(
                 403, "unknown_pod", f"pod {identity.namespace}/{identity.pod} was replaced"
             )
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if identity.node is not None and identity.node != node:
+            raise Refusal(
+                403,
+                "unknown_pod",
+                f"the token of pod {identity.namespace}/{identity.pod} was issued on node "
+                f"{identity.node}, the pod runs on {node or '(none)'}",
+            )
         return pod
 
     async def _job_of(self, pod: dict[str, Any]) -> tuple[JobRef, dict[str, Any]]:
@@ -483,8 +492,14 @@ class Intake:
                 f"{ref} does not carry the labels the admission webhook selects, so the "
                 "webhook never saw it created"
             )
-        assert self.key is not None
-        genuine, why = verify_pod(self.key.value, pod, self.trusted)
+        genuine, why = verify_pod(pod, self.trusted)
+        until = self.legacy_until
+        if not genuine and until is not None and self.key is not None:
+            legacy, legacy_why = verify_legacy(self.key.value, pod, self.trusted, until)
+            if legacy:
+                return None
+            if ATTESTATION_ANNOTATION in (meta.get("annotations") or {}):
+                why = legacy_why
         return None if genuine else ("attestation", why)
 
     async def _resolve_suspects(self, report: VerdictReport, ref: JobRef) -> list[ResolvedSuspect]:

@@ -6,6 +6,7 @@ off, agreement of two nodes before any node is quarantined.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from collections.abc import Mapping
@@ -128,12 +129,19 @@ class OperatorSettings:
     """How long a leader's Lease lasts without renewal: a standby takes over at most this
     long (plus two retries of ``lease_seconds / 5``) after the leader dies: 11 s by default."""
     attestation_secret: str = "hyperpod-sdc-attestation"
-    """Secret (key ``key``) in the operator's namespace holding the 32-byte key of the pod
-    attestations; created by the first replica that finds it missing."""
+    """Secret (key ``key``) in the operator's namespace holding the 32-byte key of the
+    legacy ``v2`` attestations (read only with ``legacy_attestation_until``); created by
+    the first replica that finds it missing."""
     require_attestation: bool = True
-    """Accept reports (and suspects) only from pods the admission webhook attested as made
-    by a trusted pod creator. ``false`` only for clusters that run without the webhook: any
-    user who may create pods in an admitted namespace can then point one at a job."""
+    """Accept reports (and suspects) only from pods that carry the creator marker of a
+    trusted pod creator (the webhook writes it, the API server's validating check keeps it
+    true). ``false`` only for clusters that run without the webhook: any user who may
+    create pods in an admitted namespace can then point one at a job."""
+    legacy_attestation_until: str = ""
+    """An RFC 3339 time (``2027-01-31T00:00:00Z``): until then, a pod created before it
+    that carries only the ``v2`` HMAC attestation of an earlier version is believed too,
+    so that jobs running through the upgrade keep reporting. Empty (the default): never.
+    Set it to the end of the longest job's run at upgrade, and no later."""
     trusted_pod_creators: tuple[str, ...] = (
         "system:serviceaccount:kubeflow:training-operator",
         "system:serviceaccount:kubeflow:pytorch-operator",
@@ -210,6 +218,16 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         def bad(name: str, problem: str) -> ConfigError:
             return ConfigError(f"{ENV_OF_FIELD[name]}: {problem}")
+
+        if self.legacy_attestation_until:
+            try:
+                self.legacy_until()
+            except ValueError:
+                raise bad(
+                    "legacy_attestation_until",
+                    "must be an RFC 3339 time with its zone, e.g. 2027-01-31T00:00:00Z, got "
+                    f"{self.legacy_attestation_until!r}",
+                ) from None
 
         ports = ("listen_port", "admission_port", "metrics_port")
         for name in ports:
@@ -300,6 +318,15 @@ class OperatorSettings:
         ):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+
+    def legacy_until(self) -> float | None:
+        """``legacy_attestation_until`` as unix seconds; ``None`` where unset."""
+        if not self.legacy_attestation_until:
+            return None
+        when = datetime.datetime.fromisoformat(self.legacy_attestation_until.replace("Z", "+00:00"))
+        if when.tzinfo is None:
+            raise ValueError("no time zone")
+        return when.timestamp()
 
     @property
     def namespace(self) -> str:

@@ -1,18 +1,28 @@
-"""The mutating admission webhook for pods, ``POST /v1/admission/pods`` (docs/webhook.md).
+"""The admission webhooks for pods (docs/webhook.md), on the operator's admission listener
+(:mod:`.listeners`), which only the API server should reach.
 
-The API server sends it the pods the chart's ``MutatingWebhookConfiguration`` selects (the
-training operators' pods, outside ``kube-system`` and the operator's namespace). For each:
+``POST /v1/admission/pods``, mutating: the API server sends it the pods the chart's
+``MutatingWebhookConfiguration`` selects (the training operators' pods, outside
+``kube-system`` and the operator's namespace). For each:
 
-1. the attestation (:func:`.injection.attest`): on CREATE written for a trusted pod creator
-   and stripped for anyone else; on UPDATE put back as it was at admission;
+1. the creator marker (:func:`.injection.attest`): on CREATE written for a trusted pod
+   creator and stripped for anyone else; on UPDATE put back as it was at admission;
 2. on CREATE, if the pod's controlling owner is a ``PyTorchJob`` or ``HyperPodPyTorchJob``
    that carries ``hyperpod-sdc.dev/enabled: "true"`` in a namespace an ``SDCPolicy`` admits,
    the agent's wiring (:func:`.injection.wire_pod`).
 
 It never blocks pod creation by mistake: every answer to a well-formed review is
 ``allowed: true``; a lookup that fails or runs past the API server's timeout leaves the pod
-unwired (it is then counted as unguarded, see :mod:`.jobwatch`). A body that is not an
-AdmissionReview gets a JSON 4xx, never a 500.
+unwired (it is then counted as unguarded, see :mod:`.jobwatch`). What it answers is worth
+nothing to whoever asks: the marker it writes is one a tenant could write itself, and only
+the validating check below makes it true.
+
+``POST /v1/admission/pods/creator``, validating (``failurePolicy: Fail``), for clusters
+without ValidatingAdmissionPolicy: it refuses a pod whose marker its user may not set
+(:func:`.attestation.creator_refusal`). Its answer is an ``allowed`` or a refusal to the
+API server; a forged review earns its sender nothing.
+
+A body that is not an AdmissionReview gets a JSON 4xx, never a 500.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from . import jobs
+from .attestation import creator_refusal
 from .caches import Caches
 from .errors import ConfigError
 from .injection import (
@@ -51,6 +62,7 @@ from .policy import Admission, namespace_admission
 
 __all__ = [
     "ADMISSION_PATH",
+    "CREATOR_PATH",
     "MAX_REVIEW_BYTES",
     "POLICY_PLURAL",
     "AdmissionLookups",
@@ -61,6 +73,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 ADMISSION_PATH = "/v1/admission/pods"
+CREATOR_PATH = "/v1/admission/pods/creator"
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 """A pod is at most about 1.5 MiB (etcd's limit); its AdmissionReview carries it once on
 CREATE, twice on UPDATE."""
@@ -383,14 +396,12 @@ class PodWebhook:
         lookups: AdmissionLookups,
         *,
         token_audience: str,
-        key: Callable[[], bytes],
         trusted_creators: Callable[[], tuple[str, ...]],
         registry: CollectorRegistry,
         ca_available: Callable[[], bool] = lambda: True,
     ) -> None:
         self.settings = settings
         self.lookups = lookups
-        self.key = key
         self.trusted_creators = trusted_creators
         self.token_audience = token_audience
         # A pod mounts the CA ConfigMap only while the operator has a CA to publish there:
@@ -402,15 +413,26 @@ class PodWebhook:
             "hyperpod_sdc_admission_reviews",
             "Pod admission reviews answered, by operation and outcome (injected, untouched: "
             "not an opted-in job's pod or not admitted, error: allowed unwired, refused: "
-            "not an AdmissionReview).",
+            "not an AdmissionReview; of the creator check: allowed, denied).",
             ["operation", "outcome"],
             registry=registry,
         )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(ADMISSION_PATH, self.post_admission)
+        app.router.add_post(CREATOR_PATH, self.post_creator)
 
     async def post_admission(self, request: web.Request) -> web.Response:
+        return await self._serve(request, self._mutate)
+
+    async def post_creator(self, request: web.Request) -> web.Response:
+        return await self._serve(request, self._check_creator)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        answer: Callable[[web.Request, dict[str, Any]], Awaitable[web.Response]],
+    ) -> web.Response:
         source = request.remote or ""
         if self.in_flight >= MAX_IN_FLIGHT or self.by_source[source] >= MAX_IN_FLIGHT_PER_SOURCE:
             self.reviews.labels("", "refused").inc()
@@ -424,26 +446,49 @@ class PodWebhook:
         self.in_flight += 1
         self.by_source[source] += 1
         try:
-            return await self._answer(request)
+            try:
+                review = await self._read(request)
+            except _BadReview as bad:
+                self.reviews.labels("", "refused").inc()
+                log.info("refused an admission request (%s): %s", bad.reason, bad.message)
+                refused = web.json_response(
+                    {"error": bad.reason, "message": bad.message}, status=bad.status
+                )
+                if bad.status in (408, 413):
+                    refused.force_close()  # the rest of the body is not worth reading
+                return refused
+            return await answer(request, review["request"])
         finally:
             self.in_flight -= 1
             self.by_source[source] -= 1
             if self.by_source[source] <= 0:
                 del self.by_source[source]
 
-    async def _answer(self, request: web.Request) -> web.Response:
-        try:
-            review = await self._read(request)
-        except _BadReview as bad:
-            self.reviews.labels("", "refused").inc()
-            log.info("refused an admission request (%s): %s", bad.reason, bad.message)
-            refused = web.json_response(
-                {"error": bad.reason, "message": bad.message}, status=bad.status
-            )
-            if bad.status in (408, 413):
-                refused.force_close()  # the rest of the body is not worth reading
-            return refused
-        req = review["request"]
+    async def _check_creator(self, request: web.Request, req: dict[str, Any]) -> web.Response:
+        operation = str(req.get("operation") or "")
+        response: dict[str, Any] = {"uid": req["uid"], "allowed": True}
+        pod, old = req.get("object"), req.get("oldObject")
+        kind = req.get("kind") or {}
+        if (kind.get("group"), kind.get("kind")) == ("", "Pod") and isinstance(pod, dict):
+            username = str((req.get("userInfo") or {}).get("username") or "")
+            why = creator_refusal(operation, pod, old, username, self.trusted_creators())
+            if why is not None:
+                log.info(
+                    "refused %s of pod %s/%s by %s: %s",
+                    operation,
+                    req.get("namespace"),
+                    _pod_name(req),
+                    username,
+                    why,
+                )
+                response["allowed"] = False
+                response["status"] = {"code": 403, "reason": "Forbidden", "message": why}
+        self.reviews.labels(operation, "allowed" if response["allowed"] else "denied").inc()
+        return web.json_response(
+            {"apiVersion": REVIEW_API, "kind": "AdmissionReview", "response": response}
+        )
+
+    async def _mutate(self, request: web.Request, req: dict[str, Any]) -> web.Response:
         operation = str(req.get("operation") or "")
         budget = max(0.2, 0.8 * _timeout_seconds(request.query) - 0.2)
         try:
@@ -522,7 +567,7 @@ class PodWebhook:
             outcome = "untouched"
         else:
             username = str((req.get("userInfo") or {}).get("username") or "")
-            after = attest(pod, username, self.trusted_creators(), self.key)
+            after = attest(pod, username, self.trusted_creators())
             try:
                 wired = await asyncio.wait_for(self._wire(after, namespace), budget)
                 outcome = "injected" if wired is not None else "untouched"

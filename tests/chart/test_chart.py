@@ -125,6 +125,7 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
         "Service",
         "Service",
         "ServiceAccount",
+        "ValidatingWebhookConfiguration",
     ]
     (deploy,) = by_kind(docs, "Deployment")
     spec = deploy["spec"]
@@ -316,6 +317,69 @@ def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
     ]
     for name in services:
         assert f"{name}.hyperpod-sdc.svc" in cert["spec"]["dnsNames"]
+
+
+def test_the_creator_check_refuses_the_marker_from_anyone_but_a_trusted_creator() -> None:
+    """The chart's ValidatingAdmissionPolicy (1.30+) and validating webhook (older API
+    servers) state one rule: the policy's CEL, evaluated offline as the API server would,
+    decides every case as sdc_operator.attestation.creator_refusal does."""
+    celpy = pytest.importorskip("celpy")
+    from tests.operator.test_policy_attestation import CREATOR_CASES, OPERATOR
+
+    values = {"webhook": {"creatorCheck": "policy"}, "operator": {"trustedPodCreators": [OPERATOR]}}
+    docs = render(values)
+    (policy,) = by_kind(docs, "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert not by_kind(docs, "ValidatingWebhookConfiguration")
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    marker = {"key": "hyperpod-sdc.dev/attested", "operator": "Exists"}
+    assert spec["matchConstraints"]["objectSelector"] == {"matchExpressions": [marker]}
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["CREATE", "UPDATE"] and "pods" in rule["resources"]
+    env = celpy.Environment()
+
+    def allowed(operation: str, pod: Any, old: Any, user: str) -> bool:
+        activation = {
+            "object": celpy.json_to_cel(pod),
+            "oldObject": celpy.json_to_cel(old),
+            "request": celpy.json_to_cel({"operation": operation, "userInfo": {"username": user}}),
+        }
+        variables: dict[Any, Any] = {}
+        for variable in spec["variables"]:
+            program = env.program(env.compile(variable["expression"]))
+            variables[celpy.celtypes.StringType(variable["name"])] = program.evaluate(activation)
+        activation["variables"] = celpy.celtypes.MapType(variables)
+        return all(
+            bool(env.program(env.compile(v["expression"])).evaluate(activation))
+            for v in spec["validations"]
+        )
+
+    for operation, pod, old, user, refused in CREATOR_CASES:
+        assert allowed(operation, pod, old, user) is (refused is None), (operation, user, refused)
+    # the webhook variant: every marked pod is sent, and a failure refuses it
+    (hook,) = by_kind(
+        render({"webhook": {"creatorCheck": "webhook"}}), "ValidatingWebhookConfiguration"
+    )
+    (entry,) = hook["webhooks"]
+    assert entry["failurePolicy"] == "Fail"
+    assert entry["objectSelector"] == {"matchExpressions": [marker]}
+    assert entry["clientConfig"]["service"]["name"] == "hyperpod-sdc-webhook"
+    assert entry["clientConfig"]["service"]["path"] == "/v1/admission/pods/creator"
+    assert entry["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "kube-system",
+        "hyperpod-sdc",
+    ]
+    # auto: the webhook where the cluster (here: Helm's offline default) has no policy API
+    assert by_kind(render(), "ValidatingWebhookConfiguration")
+    assert not by_kind(
+        render({"webhook": {"enabled": False}, "networkPolicy": {"enabled": False}}),
+        "ValidatingAdmissionPolicy",
+    )
 
 
 def test_the_optional_policy_is_valid_and_off_by_default() -> None:

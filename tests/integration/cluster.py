@@ -26,7 +26,12 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
-from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, sign
+from sdc_operator.attestation import (
+    ATTESTATION_ANNOTATION,
+    CREATED_BY_ANNOTATION,
+    MARKER_LABEL,
+    sign,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
@@ -259,11 +264,14 @@ class Cluster:
         annotations: dict[str, str] | None = None,
         key: bytes | None = None,
         running: bool = True,
+        legacy: bool = False,
     ) -> dict[str, Any]:
         """A pod bound to ``node`` (as the scheduler would) and, if ``running``, with the
-        phase the kubelet then reports. ``attested``: with the
-        annotations the admission webhook writes on a pod the training operator made
-        (signed with this cluster's test key); the tests create pods as the admin."""
+        phase the kubelet then reports. ``attested``: with the creator marker the admission
+        webhook writes on a pod the training operator made (the tests create pods as the
+        admin, with no creator check registered; tests/integration/test_webhook.py runs the
+        check); ``legacy``: with the ``v2`` HMAC attestation of earlier versions instead,
+        signed with this cluster's test key."""
         meta: dict[str, Any] = {"name": name, "annotations": dict(annotations or {})}
         if owner is not None:
             meta["ownerReferences"] = [
@@ -280,14 +288,17 @@ class Cluster:
                 # admission webhook; then what the webhook writes.
                 meta["labels"] = dict(WEBHOOK_LABELS[owner["kind"]])
                 meta["annotations"][CREATED_BY_ANNOTATION] = TRAINING_OPERATOR
-                meta["annotations"][ATTESTATION_ANNOTATION] = sign(
-                    key or self.key,
-                    namespace,
-                    name,
-                    owner["metadata"]["uid"],
-                    TRAINING_OPERATOR,
-                    int(time.time()),
-                )
+                if legacy:
+                    meta["annotations"][ATTESTATION_ANNOTATION] = sign(
+                        key or self.key,
+                        namespace,
+                        name,
+                        owner["metadata"]["uid"],
+                        TRAINING_OPERATOR,
+                        int(time.time()),
+                    )
+                else:
+                    meta["labels"][MARKER_LABEL] = "true"
         body = {
             "metadata": meta,
             "spec": {

@@ -34,6 +34,9 @@ def install(cluster: Cluster, values: dict[str, Any], tmp_path: Path) -> tuple[s
     # Created as rendered (the server checked it), then removed: it is cluster-wide, and
     # no operator behind it runs here (tests/integration/test_webhook.py runs one).
     cluster.kubectl("delete", "mutatingwebhookconfiguration", release)
+    # the creator check too: with failurePolicy Fail and no operator, it would refuse every
+    # marked pod of the other tests
+    cluster.kubectl("delete", "validatingwebhookconfiguration", f"{release}-creator")
     return namespace, release
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
+from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.injection import INJECTION_ANNOTATION
 from tests.chart.test_chart import render
 from tests.tls import issue, make_ca
@@ -45,24 +45,35 @@ KUBEFLOW = {"training.kubeflow.org/operator-name": "pytorchjob-controller"}
 def register_webhook(
     cluster: Cluster, op: OperatorProcess, ca_cert: Path, namespace: str, **webhook: Any
 ) -> str:
-    """Create the chart's MutatingWebhookConfiguration for ``op``; returns its name."""
+    """Create the chart's MutatingWebhookConfiguration and its creator check (the
+    ValidatingWebhookConfiguration this 1.20 API server gets) for ``op``; returns the
+    name. The creator check is confined to the test's namespace here (in the chart it
+    covers every namespace but kube-system and the release's), so that no other test's
+    pods are sent to it."""
     name = f"sdc-test-{secrets.token_hex(3)}"
     values = {
         "fullnameOverride": name,
         "webhook": {"namespaceSelector": {"matchLabels": {TEST_LABEL: namespace}}, **webhook},
     }
-    (config,) = [d for d in render(values) if d["kind"] == "MutatingWebhookConfiguration"]
+    docs = render(values)
+    (mutating,) = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    (validating,) = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
     bundle = base64.b64encode(ca_cert.read_bytes()).decode()
-    for entry in config["webhooks"]:
+    for entry in mutating["webhooks"] + validating["webhooks"]:
         path = entry["clientConfig"]["service"]["path"]
         entry["clientConfig"] = {"url": f"{op.admission_url}{path}", "caBundle": bundle}
+    for entry in validating["webhooks"]:
+        entry["namespaceSelector"]["matchLabels"] = {TEST_LABEL: namespace}
     admission = client.AdmissionregistrationV1Api(cluster.api)
-    admission.create_mutating_webhook_configuration(config)
+    admission.create_mutating_webhook_configuration(mutating)
+    admission.create_validating_webhook_configuration(validating)
     return name
 
 
 def delete_webhook(cluster: Cluster, name: str) -> None:
-    client.AdmissionregistrationV1Api(cluster.api).delete_mutating_webhook_configuration(name)
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    admission.delete_mutating_webhook_configuration(name)
+    admission.delete_validating_webhook_configuration(f"{name}-creator")
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +283,8 @@ def test_an_opted_in_jobs_pod_gets_exactly_the_wiring(
     assert injected["kept"] == [] and "pytorch/env/NODE_NAME" in injected["added"]
     # made by a trusted creator (here: the test's admin): attested
     assert annotations[CREATED_BY_ANNOTATION] == "admin"
-    assert annotations[ATTESTATION_ANNOTATION].startswith("v2:")
+    assert pod["metadata"]["labels"][MARKER_LABEL] == "true"
+    assert ATTESTATION_ANNOTATION not in annotations  # the v2 HMAC is never written any more
     assert INJECTION_ANNOTATION not in (twin["metadata"].get("annotations") or {})
     # the CA the pods mount is published in the job's namespace
     ca = wait_for(
@@ -348,25 +360,20 @@ def test_not_admitted_namespace_is_not_wired(
     assert "is not admitted by any SDCPolicy" in s.op.log()
 
 
-def test_attestation_only_for_the_trusted_creator(
-    cluster: Cluster, namespace: str, setup: Callable[..., Setup], tmp_path: Path
-) -> None:
-    admit(cluster, namespace)
-    setup()
-    job = make_job(cluster, namespace)
-    genuine = create_pod(cluster, namespace, "llama-worker-0", job)
-    copied = {
-        k: genuine["metadata"]["annotations"][k]
-        for k in (CREATED_BY_ANNOTATION, ATTESTATION_ANNOTATION)
-    }
-    # a tenant who may create pods in the namespace copies them onto a pod of its own
+def tenant_api(cluster: Cluster, namespace: str, tmp_path: Path) -> client.CoreV1Api:
+    """The API as a tenant who may create, get and patch pods in ``namespace`` (its
+    ServiceAccount ``worker``), and nothing else."""
     rbac = client.RbacAuthorizationV1Api(cluster.api)
     rbac.create_namespaced_role(
         namespace,
         {
             "metadata": {"name": "pods"},
             "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch"]}
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods"],
+                    "verbs": ["create", "get", "patch", "delete"],
+                }
             ],
         },
     )
@@ -381,15 +388,33 @@ def test_attestation_only_for_the_trusted_creator(
     kubeconfig = cluster.kubeconfig_for(namespace, "worker", tmp_path / "tenant")
     from kubernetes import config as kube_config
 
-    tenant = client.CoreV1Api(kube_config.new_client_from_config(kubeconfig))
-    forged = create_pod(cluster, namespace, "llama-worker-1", job, annotations=copied, core=tenant)
-    annotations = forged["metadata"].get("annotations") or {}
-    assert CREATED_BY_ANNOTATION not in annotations and ATTESTATION_ANNOTATION not in annotations
+    return client.CoreV1Api(kube_config.new_client_from_config(kubeconfig))
+
+
+def test_attestation_only_for_the_trusted_creator(
+    cluster: Cluster, namespace: str, setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    admit(cluster, namespace)
+    setup()
+    job = make_job(cluster, namespace)
+    genuine = create_pod(cluster, namespace, "llama-worker-0", job)
+    copied = {CREATED_BY_ANNOTATION: genuine["metadata"]["annotations"][CREATED_BY_ANNOTATION]}
+    marked = {**KUBEFLOW, MARKER_LABEL: "true"}
+    # a tenant who may create pods in the namespace copies the marker onto a pod of its own
+    tenant = tenant_api(cluster, namespace, tmp_path)
+    forged = create_pod(
+        cluster, namespace, "llama-worker-1", job, labels=marked, annotations=copied, core=tenant
+    )
+    assert CREATED_BY_ANNOTATION not in (forged["metadata"].get("annotations") or {})
+    assert MARKER_LABEL not in forged["metadata"]["labels"]
     # nor can an update put one back on
     patched = tenant.patch_namespaced_pod(
-        "llama-worker-1", namespace, {"metadata": {"annotations": copied}}
+        "llama-worker-1",
+        namespace,
+        {"metadata": {"annotations": copied, "labels": {MARKER_LABEL: "true"}}},
     )
     assert CREATED_BY_ANNOTATION not in (patched.metadata.annotations or {})
+    assert MARKER_LABEL not in patched.metadata.labels
     # and the genuine pod's own cannot be changed
     changed = tenant.patch_namespaced_pod(
         "llama-worker-0",
@@ -397,7 +422,7 @@ def test_attestation_only_for_the_trusted_creator(
         {"metadata": {"annotations": {CREATED_BY_ANNOTATION: "someone"}}},
     )
     assert changed.metadata.annotations[CREATED_BY_ANNOTATION] == "admin"
-    assert changed.metadata.annotations[ATTESTATION_ANNOTATION] == copied[ATTESTATION_ANNOTATION]
+    assert changed.metadata.labels[MARKER_LABEL] == "true"
 
 
 def test_with_the_operator_down_pods_are_still_created_and_reported_unguarded(

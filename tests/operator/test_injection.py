@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, verify_pod
+from sdc_operator.attestation import (
+    ATTESTATION_ANNOTATION,
+    CREATED_BY_ANNOTATION,
+    MARKER_LABEL,
+    verify_pod,
+)
 from sdc_operator.errors import ConfigError
 from sdc_operator.injection import (
     CA_BUNDLE_ENV,
@@ -212,7 +217,7 @@ def _fields(wiring: Wiring) -> dict[str, Any]:
 def test_the_patch_turns_the_pod_into_the_wired_pod() -> None:
     for before in (pod(), pod(pytorch=[{"name": "A", "value": "1"}], other=[])):
         before["metadata"]["annotations"] = {"keep/me": "x", ATTESTATION_ANNOTATION: "copied"}
-        after = wire_pod(attest(before, "someone", [OPERATOR], lambda: KEY), WIRING)
+        after = wire_pod(attest(before, "someone", [OPERATOR]), WIRING)
         patch = json_patch(before, after)
         assert apply_patch(before, patch) == after
         assert {
@@ -220,45 +225,54 @@ def test_the_patch_turns_the_pod_into_the_wired_pod() -> None:
             "path": "/metadata/annotations/hyperpod-sdc.dev~1attestation",
         } in patch
     bare = pod()
-    after = attest(bare, OPERATOR, [OPERATOR], lambda: KEY)
-    assert json_patch(bare, after)[0]["path"] == "/metadata/annotations"
+    after = attest(bare, OPERATOR, [OPERATOR])
+    assert [op["path"] for op in json_patch(bare, after)] == [
+        "/metadata/labels/hyperpod-sdc.dev~1attested",
+        "/metadata/annotations",
+    ]
+    assert apply_patch(bare, json_patch(bare, after)) == after
     assert json_patch(after, after) == []
 
 
 def test_attestation_for_the_trusted_creator_only() -> None:
-    made = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)
+    made = attest(pod(), OPERATOR, [OPERATOR])
     annotations = made["metadata"]["annotations"]
     assert annotations[CREATED_BY_ANNOTATION] == OPERATOR
-    assert verify_pod(KEY, stored(made), {OPERATOR}) == (
+    assert verify_pod(stored(made), {OPERATOR}) == (
         True,
         f"pod ml/llama-worker-0 was created by {OPERATOR}",
     )
-    # someone else's pod carrying a copied attestation loses it
+    assert made["metadata"]["labels"][MARKER_LABEL] == "true"
+    # someone else's pod carrying a copied marker (and a legacy attestation) loses them
     forged = copy.deepcopy(pod())
-    forged["metadata"]["annotations"] = dict(annotations)
-    stripped = attest(forged, "system:serviceaccount:ml:default", [OPERATOR], lambda: KEY)
+    forged["metadata"]["annotations"] = {**annotations, ATTESTATION_ANNOTATION: "v2:1:x"}
+    forged["metadata"]["labels"] = dict(made["metadata"]["labels"])
+    stripped = attest(forged, "system:serviceaccount:ml:default", [OPERATOR])
     assert CREATED_BY_ANNOTATION not in stripped["metadata"]["annotations"]
     assert ATTESTATION_ANNOTATION not in stripped["metadata"]["annotations"]
+    assert MARKER_LABEL not in stripped["metadata"]["labels"]
+    assert stripped["metadata"]["labels"] == KUBEFLOW_LABELS
     # no controlling owner: nothing to attest
     orphan = pod()
     orphan["metadata"]["ownerReferences"] = []
-    assert (
-        ATTESTATION_ANNOTATION
-        not in attest(orphan, OPERATOR, [OPERATOR], lambda: KEY)["metadata"]["annotations"]
-    )
+    assert MARKER_LABEL not in attest(orphan, OPERATOR, [OPERATOR])["metadata"]["labels"]
 
 
 def test_an_update_never_writes_or_keeps_a_new_attestation() -> None:
-    made = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)
+    made = attest(pod(), OPERATOR, [OPERATOR])
     tampered = copy.deepcopy(made)
     tampered["metadata"]["annotations"][CREATED_BY_ANNOTATION] = "someone-else"
     assert (
         restore_attestation(tampered, made, old_was_seen=True)["metadata"]["annotations"]
         == (made["metadata"]["annotations"])
     )
+    del tampered["metadata"]["labels"][MARKER_LABEL]
+    restored = restore_attestation(tampered, made, old_was_seen=True)
+    assert restored["metadata"]["labels"] == made["metadata"]["labels"]
     # a pod the webhook never saw created (unlabelled then) keeps nothing when relabelled
     relabelled = restore_attestation(made, made, old_was_seen=False)
-    assert ATTESTATION_ANNOTATION not in relabelled["metadata"]["annotations"]
+    assert CREATED_BY_ANNOTATION not in relabelled["metadata"]["annotations"]
+    assert MARKER_LABEL not in relabelled["metadata"]["labels"]
 
 
 def test_label_selector_strings() -> None:
@@ -358,7 +372,6 @@ def webhook(lookups: FakeLookups) -> PodWebhook:
         settings,
         lookups,  # type: ignore[arg-type]
         token_audience="hyperpod-sdc",
-        key=lambda: KEY,
         trusted_creators=lambda: (OPERATOR,),
         registry=CollectorRegistry(),
     )
@@ -392,7 +405,7 @@ def test_reviews_wire_only_opted_in_admitted_jobs() -> None:
     assert response["allowed"] is True and response["uid"] == "req-1"
     assert outcome == "injected" and patched is not None
     assert INJECTION_ANNOTATION in patched["metadata"]["annotations"]
-    assert verify_pod(KEY, stored(patched), {OPERATOR})[0]
+    assert verify_pod(stored(patched), {OPERATOR})[0]
     off = {"metadata": {"uid": JOB_UID, "annotations": {"hyperpod-sdc.dev/enabled": "false"}}}
     replaced = {"metadata": {**ENABLED_JOB["metadata"], "uid": "a-new-job-of-the-same-name"}}
     for lookups in (
@@ -417,7 +430,7 @@ def test_reviews_of_other_things_are_allowed_unchanged() -> None:
     ):
         assert answer(hook, req) == ({"uid": "req-1", "allowed": True}, "untouched", None)
     assert lookups.calls == 0
-    made = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)
+    made = attest(pod(), OPERATOR, [OPERATOR])
     changed = copy.deepcopy(made)
     changed["metadata"]["annotations"][ATTESTATION_ANNOTATION] = "v1:forged"
     _, outcome, patched = answer(hook, review(changed, operation="UPDATE", oldObject=made))
@@ -441,16 +454,15 @@ def test_a_failed_lookup_still_strips_a_copied_attestation(how: str) -> None:
     """Wiring needs lookups; the attestation does not. A hand-made pod carrying a copied
     attestation must lose it even when the lookups time out or fail (the pod is allowed,
     unwired, under either failure policy)."""
-    copied = attest(pod(), OPERATOR, [OPERATOR], lambda: KEY)["metadata"]["annotations"]
-    forged = copy.deepcopy(pod())
-    forged["metadata"]["annotations"] = dict(copied)
+    forged = attest(pod(), OPERATOR, [OPERATOR])
     req = {**review(forged), "userInfo": {"username": "alice"}}
     response, outcome = asyncio.run(webhook(FailingLookups(how)).review(req, budget=0.2))
     assert response["allowed"] is True and outcome == "error"
     patched = apply_patch(forged, json.loads(base64.b64decode(response["patch"])))
-    assert ATTESTATION_ANNOTATION not in patched["metadata"].get("annotations", {})
+    assert CREATED_BY_ANNOTATION not in patched["metadata"].get("annotations", {})
+    assert MARKER_LABEL not in patched["metadata"]["labels"]
     assert INJECTION_ANNOTATION not in patched["metadata"].get("annotations", {})
     # and the trusted creator's pod keeps its fresh attestation though it is not wired
     response, outcome = asyncio.run(webhook(FailingLookups(how)).review(review(pod()), 0.2))
     patched = apply_patch(pod(), json.loads(base64.b64decode(response["patch"])))
-    assert outcome == "error" and verify_pod(KEY, stored(patched), {OPERATOR})[0]
+    assert outcome == "error" and verify_pod(stored(patched), {OPERATOR})[0]

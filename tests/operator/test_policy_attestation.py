@@ -1,4 +1,5 @@
-"""Admin opt-in (SDCPolicy) and pod attestation: pure decisions."""
+"""Admin opt-in (SDCPolicy), the creator marker and the legacy attestation: pure
+decisions."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 from sdc_operator.attestation import (
     ATTESTATION_ANNOTATION,
     CREATED_BY_ANNOTATION,
+    MARKER_LABEL,
     WINDOW_SECONDS,
-    attestation_for,
+    creator_refusal,
     sign,
+    verify_legacy,
     verify_pod,
 )
 from sdc_operator.policy import namespace_admission, selector_matches
@@ -94,20 +97,93 @@ def pod(**meta: Any) -> dict[str, Any]:
     return {"metadata": {**base, **meta}}
 
 
+FAR = time.time() + 86400
+"""A legacy end date well ahead."""
+
+
 def attested(p: dict[str, Any], username: str = OPERATOR) -> dict[str, Any]:
+    """``p`` with the v2 attestation an earlier version's webhook wrote."""
     out = copy.deepcopy(p)
-    value = attestation_for(KEY, out, username)
-    assert value is not None
-    out["metadata"]["annotations"] = {
-        ATTESTATION_ANNOTATION: value,
-        CREATED_BY_ANNOTATION: username,
-    }
+    meta = out["metadata"]
+    at = int(time.time())
+    name = meta.get("name") or meta["generateName"]
+    value = sign(KEY, meta["namespace"], name, meta["ownerReferences"][0]["uid"], username, at)
+    meta["annotations"] = {ATTESTATION_ANNOTATION: value, CREATED_BY_ANNOTATION: username}
     return out
 
 
-def test_an_attested_pod_verifies() -> None:
-    genuine, why = verify_pod(KEY, attested(pod()), {OPERATOR})
-    assert genuine, why
+def marked(p: dict[str, Any], username: str = OPERATOR) -> dict[str, Any]:
+    """``p`` with the creator marker the webhook writes now."""
+    out = copy.deepcopy(p)
+    out["metadata"]["labels"] = {MARKER_LABEL: "true"}
+    out["metadata"]["annotations"] = {CREATED_BY_ANNOTATION: username}
+    return out
+
+
+def test_a_marked_pod_verifies_and_a_v2_one_only_with_the_legacy_date() -> None:
+    assert verify_pod(marked(pod()), {OPERATOR}) == (
+        True,
+        "pod ml/train-worker-0 was created by " + OPERATOR,
+    )
+    legacy = attested(pod())
+    genuine, why = verify_pod(legacy, {OPERATOR})
+    assert not genuine and MARKER_LABEL in why
+    assert verify_legacy(KEY, legacy, {OPERATOR}, FAR)[0]
+    # past the end date, and for pods created after it, the v2 value counts for nothing
+    genuine, why = verify_legacy(KEY, legacy, {OPERATOR}, time.time() - 1)
+    assert not genuine and "no longer accepted" in why
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    ["no marker", "the label only", "untrusted creator", "no owner", "the label not true"],
+)
+def test_marks_that_do_not_verify(forgery: str) -> None:
+    p = marked(pod())
+    if forgery == "no marker":
+        p = pod()
+    elif forgery == "the label only":
+        del p["metadata"]["annotations"]
+    elif forgery == "untrusted creator":
+        p = marked(pod(), "alice")
+    elif forgery == "no owner":
+        del p["metadata"]["ownerReferences"]
+    elif forgery == "the label not true":
+        p["metadata"]["labels"][MARKER_LABEL] = "yes"
+    genuine, why = verify_pod(p, {OPERATOR})
+    assert not genuine and why
+
+
+CREATOR_CASES: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, str | None]] = [
+    # the webhook's own marks, by the trusted creator
+    ("CREATE", marked(pod()), None, OPERATOR, None),
+    # unmarked pods claim nothing, whoever writes them
+    ("CREATE", pod(), None, "alice", None),
+    ("UPDATE", pod(), marked(pod()), "alice", None),  # removing the marker
+    # a tenant's marker (the webhook was down, or the tenant wrote it after a forged review)
+    ("CREATE", marked(pod()), None, "alice", "may be set only by a trusted pod creator"),
+    ("CREATE", marked(pod(), "alice"), None, "alice", "may be set only"),
+    # the trusted creator's pod naming someone else
+    ("CREATE", marked(pod(), "bob"), None, OPERATOR, "must name the pod's creator"),
+    # an update may neither add the marker nor change the creator, whoever sends it
+    ("UPDATE", marked(pod()), pod(), OPERATOR, "cannot be added"),
+    ("UPDATE", marked(pod()), pod(), "alice", "cannot be added"),
+    ("UPDATE", marked(pod(), "bob"), marked(pod()), "alice", "cannot be changed"),
+    ("UPDATE", marked(pod()), marked(pod()), "alice", None),  # e.g. a label of its own
+]
+"""(operation, pod, old pod, user, part of the refusal or None): the creator check's rule,
+which tests/chart also runs through the chart's ValidatingAdmissionPolicy."""
+
+
+@pytest.mark.parametrize(("operation", "pod_", "old", "user", "refused"), CREATOR_CASES)
+def test_the_creator_check(
+    operation: str, pod_: dict[str, Any], old: dict[str, Any] | None, user: str, refused: str | None
+) -> None:
+    why = creator_refusal(operation, pod_, old, user, {OPERATOR})
+    if refused is None:
+        assert why is None
+    else:
+        assert why is not None and refused in why
 
 
 @pytest.mark.parametrize(
@@ -124,7 +200,7 @@ def test_an_attested_pod_verifies() -> None:
         "the previous format",
     ],
 )
-def test_forged_attestations_fail(forgery: str) -> None:
+def test_forged_legacy_attestations_fail(forgery: str) -> None:
     trusted = {OPERATOR}
     p = attested(pod())
     key = KEY
@@ -149,7 +225,7 @@ def test_forged_attestations_fail(forgery: str) -> None:
     elif forgery == "the previous format":
         value = p["metadata"]["annotations"][ATTESTATION_ANNOTATION]
         p["metadata"]["annotations"][ATTESTATION_ANNOTATION] = "v1:" + value.rsplit(":", 1)[1]
-    genuine, why = verify_pod(key, p, trusted)
+    genuine, why = verify_legacy(key, p, trusted, FAR)
     assert not genuine
     assert why
 
@@ -158,7 +234,7 @@ def test_generate_name_pods_verify_under_their_final_name() -> None:
     submitted = pod(name=None, generateName="train-worker-")
     p = attested(submitted)
     p["metadata"]["name"] = "train-worker-x7k2p"
-    assert verify_pod(KEY, p, {OPERATOR})[0]
+    assert verify_legacy(KEY, p, {OPERATOR}, FAR)[0]
 
 
 def test_a_short_key_is_refused() -> None:

@@ -119,6 +119,67 @@ webhooks:
     objectSelector:
       {{- toYaml .objectSelector | nindent 6 }}
   {{- end }}
+{{- if eq (include "hyperpod-sdc.creatorCheck" $root) "webhook" }}
+---
+# The creator check for clusters without ValidatingAdmissionPolicy (docs/operator.md,
+# "Threat model"): every pod that carries the marker label is sent, and refused unless a
+# trusted creator set it. Fail, always: a marked pod this check did not answer for is
+# refused, never admitted.
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata:
+  name: {{ $fullname }}-creator
+  labels:
+    {{- include "hyperpod-sdc.labels" $root | nindent 4 }}
+  {{- if $root.Values.certManager.enabled }}
+  annotations:
+    cert-manager.io/inject-ca-from: {{ $root.Release.Namespace }}/{{ $fullname }}-tls
+  {{- end }}
+webhooks:
+  - name: creator.pods.hyperpod-sdc.dev
+    admissionReviewVersions: [v1]
+    sideEffects: None
+    failurePolicy: Fail
+    timeoutSeconds: {{ $root.Values.webhook.timeoutSeconds }}
+    matchPolicy: Equivalent
+    clientConfig:
+      service:
+        name: {{ $fullname }}-webhook
+        namespace: {{ $root.Release.Namespace }}
+        path: /v1/admission/pods/creator
+        port: {{ $root.Values.service.port }}
+      {{- if $.caBundle }}
+      caBundle: {{ $.caBundle | b64enc }}
+      {{- end }}
+    rules:
+      - operations: [CREATE, UPDATE]
+        apiGroups: [""]
+        apiVersions: [v1]
+        resources: [pods]
+        scope: Namespaced
+    namespaceSelector:
+      {{- include "hyperpod-sdc.creatorNamespaces" $root | nindent 6 }}
+    objectSelector:
+      matchExpressions:
+        - {key: hyperpod-sdc.dev/attested, operator: Exists}
+{{- end }}
+{{- end }}
+
+{{/* Which creator check the chart installs: policy or webhook (webhook.creatorCheck). */}}
+{{- define "hyperpod-sdc.creatorCheck" -}}
+{{- $mode := .Values.webhook.creatorCheck }}
+{{- if eq $mode "auto" }}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" }}policy{{ else }}webhook{{ end }}
+{{- else }}{{ $mode }}{{ end }}
+{{- end }}
+
+{{/* Where the creator check applies: every namespace but kube-system and the release's
+(not narrowed by webhook.namespaceSelector: a marked pod anywhere must be checked). */}}
+{{- define "hyperpod-sdc.creatorNamespaces" -}}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: NotIn
+    values: [kube-system, {{ .Release.Namespace }}]
 {{- end }}
 
 {{/* The webhook's pod selectors, as the operator reads them (HYPERPOD_SDC_WEBHOOK_POD_SELECTORS). */}}
