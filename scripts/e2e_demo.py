@@ -696,8 +696,9 @@ def training_operator(server: ApiServer, base: Path) -> client.CoreV1Api:
 
 
 def register_webhook(server: ApiServer, url: str, ca: Path) -> None:
-    """The chart's MutatingWebhookConfiguration as it renders it, with the operator's
-    loopback URL in place of its Service and the demo CA as the caBundle."""
+    """The chart's MutatingWebhookConfiguration and its creator check (the
+    ValidatingWebhookConfiguration a 1.20 API server gets) as it renders them, with the
+    operator's loopback URL in place of its Service and the demo CA as the caBundle."""
     import base64
 
     import helm_python as helm
@@ -712,13 +713,16 @@ def register_webhook(server: ApiServer, url: str, ca: Path) -> None:
         if d
     ]
     (hook,) = [d for d in docs if d.get("kind") == "MutatingWebhookConfiguration"]
-    for entry in hook["webhooks"]:
+    (check,) = [d for d in docs if d.get("kind") == "ValidatingWebhookConfiguration"]
+    for entry in hook["webhooks"] + check["webhooks"]:
         path = entry["clientConfig"]["service"]["path"]
         entry["clientConfig"] = {
             "url": f"{url}{path}",
             "caBundle": base64.b64encode(ca.read_bytes()).decode(),
         }
-    client.AdmissionregistrationV1Api(server.api).create_mutating_webhook_configuration(hook)
+    admission = client.AdmissionregistrationV1Api(server.api)
+    admission.create_mutating_webhook_configuration(hook)
+    admission.create_validating_webhook_configuration(check)
     time.sleep(1.0)  # the API server takes up a new webhook configuration within a second
 
 
