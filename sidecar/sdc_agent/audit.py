@@ -18,6 +18,9 @@ from torch import nn
 from .bundling import BundleSource, EvidenceWork, choose_source
 from .errors import SDCError
 from .evidence import (
+    HEADROOM,
+    HEADROOM_16BIT,
+    LOSS,
     Comparison,
     NoiseModel,
     Summary,
@@ -25,6 +28,9 @@ from .evidence import (
     attribute,
     compare,
     compute_dtype,
+    kind_caps,
+    kind_count,
+    kind_name,
     noise_cap,
     tensor_stats,
 )
@@ -51,6 +57,12 @@ __all__ = ["AuditOutcome", "ReplayAudit", "ReplayStats"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes a computation's cap can come from, by code in the gathered table."""
+
+Kinds = dict[int, frozenset[int]]
+"""Per owner whose work differed from its replay: the kinds of evidence that differ."""
+
 
 @dataclass(slots=True)
 class ReplayStats:
@@ -62,6 +74,7 @@ class ReplayStats:
     mismatches: int = 0
     """Comparisons that differed by more than the tolerance in force at the time."""
     loss_mismatches: int = 0
+    """Mismatches in which the loss is among the kinds of evidence that differ."""
     differing: int = 0
     """Comparisons with any bitwise difference (noise included)."""
     mismatch_steps: list[int] = field(default_factory=list)
@@ -166,7 +179,14 @@ class ReplayAudit:
         first = next(iter(self.params), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._dtypes = {p.dtype for p in self.params}
-        self.noise = NoiseModel(cap=noise_cap(compute_dtype(self._dtypes, {}, self.device.type)))
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._sizes = tuple(p.numel() for p in self.params)
+        self.noise = NoiseModel(
+            cap=0.0,
+            names=tuple(names.get(id(p), f"gradient {i}") for i, p in enumerate(self.params)),
+            kinds=kind_count(len(self.params)),
+        )
+        self._set_dtype(compute_dtype(self._dtypes, {}, self.device.type))
         self.stats = ReplayStats()
         self.blind = False
         """The job's replays differ beyond any plausible noise: the audit verifies nothing."""
@@ -194,6 +214,10 @@ class ReplayAudit:
         self._passes = 0  # backward passes the comm hook saw this step
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
+        self._watch: set[int] = set()
+        """Ranks a rounding-level, reproducible difference pointed at in the last audit of
+        a job that is not bit-reproducible: named if the next audit points at them again."""
+        self._watched: set[int] = set()
 
     def _shared_seed(self) -> int:
         # Group rank 0 draws, everyone adds: the same seed on every rank.
@@ -367,12 +391,17 @@ class ReplayAudit:
     def _tolerance(self, *ranks: int) -> Tolerance:
         return self.noise.tolerance(ranks)
 
-    def _cap(self) -> float:
-        """The noise cap for this step's audited computation: by the dtype it ran in
-        (autocast's, from the payload, or the parameters')."""
+    def _dtype(self) -> torch.dtype:
+        """The dtype of this step's audited computation, for its caps: autocast's (from
+        the payload) or the parameters'."""
         assert self.payload is not None
-        dtype = compute_dtype(self._dtypes, self.payload.autocast, self.device.type)
-        return noise_cap(dtype)
+        return compute_dtype(self._dtypes, self.payload.autocast, self.device.type)
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        self.noise.headroom = HEADROOM if torch.finfo(dtype).bits > 16 else HEADROOM_16BIT
+        self.noise.cap = noise_cap(dtype)
+        self.noise.caps = kind_caps(dtype, self._sizes)
+        self.noise.dtype = str(dtype).removeprefix("torch.")
 
     def audit(self) -> AuditOutcome:
         """Compare this step's audited micro-batches across the ring. A collective."""
@@ -386,8 +415,11 @@ class ReplayAudit:
         received = exchange(
             sends, [partner] if partner is not None else [], self.group, self.comm_device
         )
-        row = torch.full((6,), -1.0, dtype=torch.float64)
-        row[5] = self._cap()
+        kinds = self.noise.kinds
+        # [present, dtype code, equal per kind..., relative difference per kind...]
+        row = torch.full((2 + 2 * kinds,), -1.0, dtype=torch.float64)
+        dtype = self._dtype()
+        row[1] = float(_DTYPES.index(dtype) if dtype in _DTYPES else 1)
         partner_payload: Payload | None = None
         replayed: Summary | None = None
         partner_own: Summary | None = None
@@ -396,16 +428,17 @@ class ReplayAudit:
             partner_payload = Payload.from_bytes(raw)
             replayed = self._recompute(partner_payload)
             c = compare(partner_own, replayed)
-            row[:5] = torch.tensor(
-                [1.0, float(c.loss_equal), float(c.grads_equal), c.loss_rel, c.grad_rel],
-                dtype=torch.float64,
-            )
+            row[0] = 1.0
+            row[2 : 2 + kinds] = torch.tensor([float(e) for e in c.equal], dtype=torch.float64)
+            row[2 + kinds :] = torch.tensor(c.rel, dtype=torch.float64)
         table = self._gather(row)
-        # Every rank decides from the same table, with the same cap (the widest any rank
+        # Every rank decides from the same table, with the same caps (the widest any rank
         # computed in, should autocast differ between them).
-        self.noise.cap = max(t[5] for t in table)
+        self._set_dtype(max((_DTYPES[int(t[1])] for t in table), key=noise_cap))
         comparisons = {
-            p: Comparison(bool(t[1]), bool(t[2]), t[3], t[4])
+            p: Comparison(
+                tuple(bool(e) for e in t[2 : 2 + kinds]), tuple(t[2 + kinds : 2 + 2 * kinds])
+            )
             for p, r in self.replayer_of.items()
             if (t := table[r])[0] == 1.0
         }
@@ -424,21 +457,32 @@ class ReplayAudit:
         self.stats.differing += sum(not c.bitwise_equal for c in comparisons.values())
         first = self.noise.audits == 0
         self.noise.audits += 1
-        mismatched = [p for p, c in comparisons.items() if c.differs(self._tolerance(p, ring[p]))]
+        self._watched, self._watch = self._watch, set()
+        flagged: Kinds = {}
+        for p, c in comparisons.items():
+            if kinds := c.differing(self._tolerance(p, ring[p])):
+                flagged[p] = kinds
         evidence: dict[str, Any] = {}
-        if mismatched:
+        if flagged:
             evidence["mismatches"] = [
-                self._mismatch_evidence(p, comparisons[p]) for p in mismatched
+                self._mismatch_evidence(p, comparisons[p], kinds) for p, kinds in flagged.items()
             ]
-        learned = None
-        if first and mismatched and not self.calibrate:
-            mismatched, learned = self._baseline(mismatched, comparisons)
-        elif mismatched and not self.calibrate:
-            mismatched, learned = self._known_noise(mismatched, comparisons)
+        notes: list[str | None] = []
+        if flagged and not self.calibrate:
+            if first:
+                flagged, note = self._baseline(flagged, comparisons)
+                notes.append(note)
+            flagged, note = self._storms(flagged, comparisons)
+            notes.append(note)
+        learned = "; ".join(n for n in notes if n) or None
+        mismatched = sorted(flagged)
         self.stats.mismatches += len(mismatched)
-        self.stats.loss_mismatches += sum(not comparisons[p].loss_equal for p in mismatched)
+        self.stats.loss_mismatches += sum(LOSS in flagged[p] for p in mismatched)
         if mismatched:
             self.stats.mismatch_steps.append(self.step)
+        if self.noise.blind and not self.blind:
+            self.noise.count(comparisons.values())
+            return self._go_blind(evidence, learned)
         if self.calibrate or not mismatched:
             self.noise.count(comparisons.values())
             return AuditOutcome(None, evidence if mismatched else {}, True, learned)
@@ -446,69 +490,111 @@ class ReplayAudit:
         rechecks: list[Recheck] = []
         if not explanation.storm:
             owners = sorted(set(explanation.persistent) | set(explanation.unexplained))
-            owners = [q for q in owners if q in mismatched]
-            rechecks = self._recheck(owners, mismatched, partner_payload, partner_own, replayed)
+            owners = [q for q in owners if q in flagged]
+            rechecks = self._recheck(owners, flagged, partner_payload, partner_own, replayed)
             if rechecks:
                 evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks]
         finding = resolve(explanation, rechecks)
         if finding.classification == "rank" and finding.localized:
-            finding = self._rounding_level(finding, mismatched, comparisons)
+            checked = self._rounding_level(finding, flagged, comparisons)
+            if checked is None:  # a second look at the next audit decides
+                self.noise.count(c for p, c in comparisons.items() if p not in flagged)
+                names = ", ".join(str(self.topology.global_rank(q)) for q in finding.suspects)
+                note = (
+                    f"rank(s) {names} computed a result that differs from two other nodes' "
+                    "and reproduced it, by no more than rounding can produce, in a job whose "
+                    "kernels are not bit-reproducible: watched, and named if the next audit "
+                    "points at them again (this step is applied but not vouched for)"
+                )
+                return AuditOutcome(None, evidence, False, note)
+            finding = checked
         if finding.classification != "nondeterministic":
             # A hardware fault says nothing about the job's reproducibility: count the rest.
-            self.noise.count(c for p, c in comparisons.items() if p not in mismatched)
+            self.noise.count(c for p, c in comparisons.items() if p not in flagged)
             source = choose_source(finding, rechecks, ring)
             work = None
             if source is not None and source.writer == self.me:
                 work = self._evidence_work(source, partner_payload, partner_own, replayed)
             return AuditOutcome(finding, evidence, False, learned, source, work)
         self.noise.count(comparisons.values())
-        # Not hardware: the job's computation varies this much. Learn it (never drop a
-        # step for it), or, beyond any plausible noise, stop vouching for steps.
-        largest = max(comparisons[p].magnitude for p in mismatched)
-        if self.noise.learn_job(comparisons[p] for p in mismatched):
-            note = (
-                f"replays differ by up to {largest:.3g} (relative) without a pattern one "
-                f"GPU explains: learned as the job's run-to-run noise; {self.noise.describe()}"
+        # Not hardware, and no single faulty GPU explains it: accuse nobody and vouch for
+        # the step. Nothing is learned from it (a fault mixed into the pattern would be
+        # learned as noise); the kinds it goes beyond their cap in are set aside.
+        largest = max(comparisons[p].rel[k] for p, kinds in flagged.items() for k in kinds)
+        beyond: dict[int, float] = {}
+        for p, kinds in flagged.items():
+            c = comparisons[p]
+            for k in kinds:
+                if not self.noise.within_cap(c, [k]):
+                    beyond[k] = max(beyond.get(k, 0.0), c.rel[k])
+        note = f"{finding.message} (replays differ by up to {largest:.3g}, relative)"
+        if beyond:
+            note += "; set aside (beyond what rounding can produce): " + self.noise.set_aside(
+                beyond, beyond
             )
-            return AuditOutcome(finding, evidence, True, note)
-        self.blind = True
-        note = (
-            f"replays differ by up to {largest:.3g} (relative), more than run-to-run noise "
-            f"of {self.noise.cap:g} can explain: the replay audit cannot verify this job "
-            "(randomness outside torch's generators, such as a private generator or "
-            "unseeded dropout, cannot be replayed); last_clean_step now follows the other "
-            "checks. Use sdc_agent.enable_determinism() and torch's generators to restore it."
-        )
-        return AuditOutcome(finding, evidence, False, note)
+        if self.noise.blind:
+            return self._go_blind(evidence, note)
+        return AuditOutcome(finding, evidence, True, f"{note}; {self.noise.describe()}")
 
-    def _known_noise(
-        self, mismatched: list[int], comparisons: dict[int, Comparison]
-    ) -> tuple[list[int], str | None]:
-        """Differences within the cap, in evidence whose noise is already known (its
-        tolerance is above 0): the noise reaching further than the audits saw so far
-        (one sample of it sets the first tolerance), not evidence. They widen the
-        tolerance they exceeded and accuse nobody."""
-        ring = self.replayer_of
-        grown = [
-            p
-            for p in mismatched
-            if self.noise.within_cap(comparisons[p])
-            and not self.noise.new_evidence(comparisons[p], (p, ring[p]))
-        ]
-        if not grown:
-            return mismatched, None
-        for p in grown:
-            self.noise.widen((p, ring[p]), comparisons[p])
+    def _go_blind(self, evidence: dict[str, Any], learned: str | None) -> AuditOutcome:
+        """No kind of evidence is left that could separate a faulty rank."""
+        self.blind = True
+        why = "; ".join(self.noise.unusable[k] for k in sorted(self.noise.unusable))
         note = (
-            f"replays differed by up to {max(comparisons[p].magnitude for p in grown):.3g} "
-            "(relative), within what rounding can produce, in evidence already known to "
-            f"carry noise: the tolerance grows to cover it; {self.noise.describe()}"
+            "the replay audit cannot verify this job: no kind of evidence is reproducible "
+            f"enough to separate a faulty rank ({why}). The loss itself differs between "
+            "replays beyond what rounding can produce, which is what randomness outside "
+            "torch's generators (a private generator, unseeded dropout) does: it cannot be "
+            "replayed. last_clean_step now follows the other checks. Use "
+            "sdc_agent.enable_determinism() and torch's generators to restore it."
         )
-        return [p for p in mismatched if p not in grown], note
+        if LOSS not in self.noise.unusable:  # only gradient kinds left the audit
+            note = (
+                "the replay audit cannot verify this job: every gradient statistic is "
+                f"noisier than its cap ({why}) and the loss is not compared. "
+                "last_clean_step now follows the other checks."
+            )
+        return AuditOutcome(None, evidence, False, f"{learned}; {note}" if learned else note)
+
+    def _storms(
+        self, flagged: Kinds, comparisons: dict[int, Comparison]
+    ) -> tuple[Kinds, str | None]:
+        """Kinds of evidence that differ in more pairs than one or two faulty ranks make
+        (see :func:`~sdc_agent.replay.storm_threshold`) separate nobody this audit:
+        within the cap that is the job's noise, learned; beyond it the kind is too noisy
+        to verify anything and is set aside. The other kinds keep their say."""
+        ring = self.replayer_of
+        out = {p: set(kinds) for p, kinds in flagged.items()}
+        learned: list[int] = []
+        beyond: dict[int, float] = {}
+        for k in sorted({k for kinds in flagged.values() for k in kinds}):
+            pairs = [p for p, kinds in flagged.items() if k in kinds]
+            if not explain_mismatches(pairs, ring, max_mismatches=self.max_mismatches).storm:
+                continue
+            group = [comparisons[p] for p in pairs]
+            if self.noise.learn_job(group, [k]):
+                learned.append(k)
+            else:
+                beyond[k] = max(c.rel[k] for c in group)
+            for p in pairs:
+                out[p].discard(k)
+        notes = []
+        if learned:
+            notes.append(
+                f"{_kinds_text(learned, self.noise.names)} differed in every replay, within "
+                "what rounding can produce: learned as the job's run-to-run noise"
+            )
+        if beyond:
+            notes.append(
+                "set aside, too noisy to verify anything (the other kinds of evidence are "
+                "still compared): " + self.noise.set_aside(beyond, beyond)
+            )
+        rest = {p: frozenset(kinds) for p, kinds in out.items() if kinds}
+        return rest, "; ".join(notes) or None
 
     def _rounding_level(
-        self, finding: ReplayFinding, mismatched: list[int], comparisons: dict[int, Comparison]
-    ) -> ReplayFinding:
+        self, finding: ReplayFinding, flagged: Kinds, comparisons: dict[int, Comparison]
+    ) -> ReplayFinding | None:
         """A localized finding resting only on differences rounding can make (within the
         cap) is named but not corroborated, and the difference is learned, so it is
         reported once and never quarantines by repetition.
@@ -517,39 +603,83 @@ class ReplayAudit:
         chose differently mid-run (autotuning a new shape, a library heuristic:
         reproducible on that GPU, like a broken one) or, when the rerun did not reproduce
         it, from a kernel that is not deterministic run to run. Only a recomputation by
-        another process on the suspect's GPU (the confirmation run) separates them.
+        another process on the suspect's GPU (the confirmation run) separates them. A
+        transient one in kinds compared bit for bit so far (a bit-reproducible job) is
+        named too: no kernel of this job has ever differed in any bit.
+
+        In a job that is not bit-reproducible, noise now and then lines up into the same
+        pattern on one rank for one audit; a broken GPU does it at every audit. A
+        reproducible rounding-level finding there is named only when the audit before
+        pointed at the same rank (``None``: watched, decided at the next audit).
         """
         ring = self.replayer_of
         suspects = set(finding.suspects)
-        against = [comparisons[p] for p in mismatched if suspects & {p, ring[p]}]
-        if not against or not all(self.noise.within_cap(c) for c in against):
+        against = [(p, comparisons[p], flagged[p]) for p in flagged if suspects & {p, ring[p]}]
+        if not against:
             return finding
-        worst = max(c.magnitude for c in against)
-        if finding.transient:
-            # Not reproducible on the same GPU, and no larger than rounding: a kernel that
-            # is not deterministic run to run gives exactly this. Noise (learned below).
+        within = all(self.noise.within_cap(c, kinds) for _, c, kinds in against)
+        worst = max(c.rel[k] for _, c, kinds in against for k in kinds)
+        # Bit-reproducible so far: no comparison of this job ever differed in any bit.
+        exact = self.noise.observed == 0
+        known = not any(self.noise.new_evidence(c, (p, ring[p]), kinds) for p, c, kinds in against)
+        if finding.transient and not exact and (within or known):
+            # Not reproducible on the same GPU, in a job whose kernels are not
+            # bit-reproducible, and either no larger than rounding or in evidence known to
+            # carry run-to-run noise: a kernel that is not deterministic gives exactly
+            # this. Noise (learned, or its kind set aside beyond the cap, by the caller).
             return ReplayFinding(
                 "nondeterministic",
                 (),
                 False,
                 None,
-                f"a replay differed by {worst:.3g} (relative), within what rounding can "
-                "produce, and did not reproduce when recomputed: run-to-run noise of a "
-                "kernel that is not deterministic, not evidence against any GPU",
+                f"a replay differed by {worst:.3g} (relative), in evidence that carries "
+                "run-to-run noise or within what rounding can produce, and did not "
+                "reproduce when recomputed: run-to-run noise of a kernel that is not "
+                "deterministic, not evidence against any GPU",
             )
+        if not within:
+            return finding
+        if not exact and not finding.transient:
+            named = suspects & self._watched
+            if not named:
+                self._watch = suspects
+                return None
+            if named != suspects:  # the others are watched once more
+                self._watch = suspects - named
+                listed = ", ".join(str(self.topology.global_rank(q)) for q in sorted(named))
+                finding = dataclasses.replace(
+                    finding,
+                    suspects=tuple(sorted(named)),
+                    message=f"rank(s) {listed} computed a wrong result and reproduced it "
+                    "when recomputing its own micro-batch, at this audit and the one before, "
+                    "while two other nodes agree with each other (persistent)",
+                )
+                suspects = named
         nodes = {self.nodes[q] for q in suspects}
         for r, node in enumerate(self.nodes):
             if node in nodes:
-                for c in against:
-                    self.noise.excuse(r, c)
+                for _, c, kinds in against:
+                    self.noise.excuse(r, c, kinds)
+        differing = sorted({k for _, _, ks in against for k in ks})
+        what = _kinds_text(differing, self.noise.names)
+        cap = max(self.noise.cap_of(k) for k in differing)
+        if finding.transient:
+            message = (
+                f"{finding.message}; the difference ({worst:.3g} relative, in {what}) is "
+                "within what rounding can produce, in a job that has reproduced bit for bit "
+                "so far: a kernel that is not deterministic would look the same the "
+                "first time it differs, so this is not corroborated and is learned as the "
+                f"suspect node's noise (reported once); {self.noise.describe()}"
+            )
+            return dataclasses.replace(finding, corroborated=False, message=message)
         message = (
-            f"{finding.message}; but the difference ({worst:.3g} relative) is within what "
-            f"rounding can produce (up to {self.noise.cap:.3g} in the dtype this step "
-            "computed in): a kernel the suspect's process chose differently mid-run "
-            "(autotuning a new shape, a library heuristic) would look the same, and the "
-            "recheck cannot tell them apart, so this is not corroborated (a confirmation "
-            "run on the node decides) and is learned as the suspect node's noise (reported "
-            f"once); {self.noise.describe()}"
+            f"{finding.message}; but the difference ({worst:.3g} relative, in {what}) is "
+            f"within what rounding can produce (up to {cap:.3g} there in the "
+            f"{self.noise.dtype} this step computed in): a kernel the suspect's process chose "
+            "differently mid-run (autotuning a new shape, a library heuristic) would look the "
+            "same, and the recheck cannot tell them apart, so this is not corroborated (a "
+            "confirmation run on the node decides) and is learned as the suspect node's "
+            f"noise (reported once); {self.noise.describe()}"
         )
         return dataclasses.replace(finding, corroborated=False, message=message)
 
@@ -571,50 +701,69 @@ class ReplayAudit:
         return EvidenceWork(partner_payload, replayed, own)
 
     def _baseline(
-        self, mismatched: list[int], comparisons: dict[int, Comparison]
-    ) -> tuple[list[int], str | None]:
-        """The first audit: differences the job shows from the start are its noise."""
+        self, flagged: Kinds, comparisons: dict[int, Comparison]
+    ) -> tuple[Kinds, str | None]:
+        """The first audit: differences the job shows from the start are its noise, kind
+        by kind (within each kind's cap)."""
         ring = self.replayer_of
-        small = [p for p in mismatched if self.noise.within_cap(comparisons[p])]
-        if not small:
-            return mismatched, None
-        explanation = explain_mismatches(small, ring, max_mismatches=self.max_mismatches)
-        if explanation.storm:
-            self.noise.learn_job(comparisons[p] for p in small)
-            who = "every rank's computations"
-        else:
-            common, rest = attribute(small, ring)
-            for r in common:
-                for p in small:
-                    if r in (p, ring[p]):
-                        self.noise.learn_rank(r, comparisons[p])
-            for p, r in rest:
-                self.noise.learn_rank(p, comparisons[p])
-                self.noise.learn_rank(r, comparisons[p])
-            ranks = sorted(common | {r for pair in rest for r in pair})
-            who = "the processes of rank(s) " + ", ".join(
-                str(self.topology.global_rank(r)) for r in ranks
+        out = {p: set(kinds) for p, kinds in flagged.items()}
+        ranks: set[int] = set()
+        everyone = False
+        largest = 0.0
+        learned: list[int] = []
+        for k in sorted({k for kinds in flagged.values() for k in kinds}):
+            small = [
+                p
+                for p, kinds in flagged.items()
+                if k in kinds and self.noise.within_cap(comparisons[p], [k])
+            ]
+            if not small:
+                continue
+            learned.append(k)
+            largest = max(largest, *(comparisons[p].rel[k] for p in small))
+            explanation = explain_mismatches(small, ring, max_mismatches=self.max_mismatches)
+            if explanation.storm:
+                self.noise.learn_job((comparisons[p] for p in small), [k])
+                everyone = True
+            else:
+                common, rest = attribute(small, ring)
+                for r in common:
+                    for p in small:
+                        if r in (p, ring[p]):
+                            self.noise.learn_rank(r, comparisons[p], [k])
+                for p, r in rest:
+                    self.noise.learn_rank(p, comparisons[p], [k])
+                    self.noise.learn_rank(r, comparisons[p], [k])
+                ranks |= common | {r for pair in rest for r in pair}
+            for p in small:
+                out[p].discard(k)
+        if not learned:
+            return flagged, None
+        who = []
+        if everyone:
+            who.append("every rank's computations")
+        if ranks:
+            who.append(
+                "the processes of rank(s) "
+                + ", ".join(str(self.topology.global_rank(r)) for r in sorted(ranks))
             )
         note = (
-            f"at the first audit {who} differed from their replays by up to "
-            f"{max(comparisons[p].magnitude for p in small):.3g} (relative): a difference "
-            "present from the start (per-process kernel choice, atomics) cannot be told "
-            "from a fault present from the start, so it is learned as noise and accuses "
-            f"nobody; {self.noise.describe()}"
+            f"at the first audit {' and '.join(who)} differed from their replays by up to "
+            f"{largest:.3g} (relative) in {_kinds_text(learned, self.noise.names)}: a "
+            "difference present from the start (per-process kernel choice, atomics) cannot "
+            "be told from a fault present from the start, so it is learned as noise and "
+            f"accuses nobody; {self.noise.describe()}"
         )
-        return [p for p in mismatched if p not in small], note
+        return {p: frozenset(kinds) for p, kinds in out.items() if kinds}, note
 
-    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int]) -> bool:
-        """Two computations in the recheck agree: within the tolerance in force for
-        ``ranks``, or within the cap in evidence already known to carry noise (the rule
-        of the first round, :meth:`_known_noise`: one sample of noise sets the first
-        tolerance, and the next may reach further)."""
-        c = compare(a, b)
-        if not c.differs(self._tolerance(*ranks)):
-            return True
-        return self.noise.within_cap(c) and not self.noise.new_evidence(c, ranks)
+    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int], kinds: frozenset[int]) -> bool:
+        """Two computations in the recheck agree in the kinds of evidence that flagged the
+        work (``kinds``): within the tolerance in force for ``ranks``."""
+        return not compare(a, b).differing(self._tolerance(*ranks)) & kinds
 
-    def _mismatch_evidence(self, p: int, c: Comparison) -> dict[str, Any]:
+    def _mismatch_evidence(self, p: int, c: Comparison, kinds: frozenset[int]) -> dict[str, Any]:
+        tolerance = self._tolerance(p, self.replayer_of[p])
+        names = [kind_name(k, self.noise.names) for k in sorted(kinds)]
         return {
             "work_of": self.topology.global_rank(p),
             "replayed_by": self.topology.global_rank(self.replayer_of[p]),
@@ -622,8 +771,10 @@ class ReplayAudit:
             "gradients_equal": c.grads_equal,
             "loss_relative_difference": _finite(c.loss_rel),
             "gradient_relative_difference": _finite(c.grad_rel),
-            "tolerance": self._tolerance(p, self.replayer_of[p]).gradients,
-            "loss_tolerance": self._tolerance(p, self.replayer_of[p]).loss,
+            "tolerance": tolerance.gradients,
+            "loss_tolerance": tolerance.loss,
+            "kinds": names[:_LISTED]
+            + ([f"{len(names) - _LISTED} more"] if len(names) > _LISTED else []),
         }
 
     def _recheck_evidence(self, r: Recheck) -> dict[str, Any]:
@@ -640,7 +791,7 @@ class ReplayAudit:
     def _recheck(
         self,
         owners: list[int],
-        mismatched: list[int],
+        flagged: Kinds,
         partner_payload: Payload | None,
         partner_own: Summary | None,
         replayed: Summary | None,
@@ -648,7 +799,7 @@ class ReplayAudit:
         """Round two for each owner: rerun on the owner, replay again on its replayer, and
         once on a third node. A collective."""
         me, ring = self.me, self.replayer_of
-        involved = {r for p in mismatched for r in (p, ring[p])}
+        involved = {r for p in flagged for r in (p, ring[p])}
         third = choose_thirds(owners, ring, self.nodes, involved)
         sends: dict[int, list[Any]] = {}
         sources: set[int] = set()
@@ -687,15 +838,15 @@ class ReplayAudit:
                 again = self._recompute(self.payload)
                 # At the tolerance of the comparison that flagged q's work: the noise
                 # learned for q's pair (or the job) moves q's own rerun as much.
-                row[k, 0] = float(self._agree(self.own_summary(), again, (q, ring[q])))
+                row[k, 0] = float(self._agree(self.own_summary(), again, (q, ring[q]), flagged[q]))
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
-                row[k, 1] = float(self._agree(replayed, again, (q, ring[q])))
+                row[k, 1] = float(self._agree(replayed, again, (q, ring[q]), flagged[q]))
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[k, 2] = float(self._agree(original, mine, (me, q)))
-                row[k, 3] = float(self._agree(replays[q], mine, (me, ring[q])))
+                row[k, 2] = float(self._agree(original, mine, (me, q), flagged[q]))
+                row[k, 3] = float(self._agree(replays[q], mine, (me, ring[q]), flagged[q]))
         table = [torch.tensor(t).reshape(len(owners), 4).tolist() for t in self._gather(row)]
         out = []
         for k, q in enumerate(owners):
@@ -745,6 +896,17 @@ class ReplayAudit:
         out = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
+
+
+_LISTED = 8
+"""Kinds of evidence named per mismatch in a verdict's evidence; the rest are counted."""
+
+
+def _kinds_text(kinds: Sequence[int], names: Sequence[str]) -> str:
+    listed = [kind_name(k, names) for k in kinds]
+    if len(listed) > 3:
+        return ", ".join(listed[:3]) + f" and {len(listed) - 3} more kind(s) of evidence"
+    return ", ".join(listed)
 
 
 def _finite(x: float) -> float | None:

@@ -66,6 +66,17 @@ class Drill:
     """This rank's process computes the second layer's forward in another summation
     order from the first step: a deterministic last-bit difference, as per-process
     autotuning gives."""
+    bf16: bool = False
+    """Run every forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+    forward_noise: float = 0.0
+    """This fraction of the second layer's outputs moves by ±1 ulp (of the dtype they are
+    computed in) in every computation, drawn from a private generator: a forward kernel
+    that is not reproducible run to run (split-K GEMMs, autotuned tiles)."""
+    grad_noise_fraction: float = 0.0
+    """This fraction of the second layer's weight gradient moves by ±``grad_noise_ulps``
+    ulp (of the dtype the backward computes it in) in every computation: a backward
+    reduction made with atomics (FlashAttention's, the embedding's)."""
+    grad_noise_ulps: int = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,48 +146,94 @@ class _UlpNoiseEverywhere(torch.autograd.Function):
         return torch.nextafter(grad, torch.where(up, float("inf"), float("-inf")).to(grad.dtype))
 
 
+def _ulp_moved(x: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
+    """``x`` with ``fraction`` of its elements moved by ±``ulps`` units in the last place
+    of its dtype, chosen by a private, unseeded generator (a replay cannot reproduce it)."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hit = torch.rand(x.shape, generator=g) < fraction
+    up = torch.randint(0, 2, x.shape, generator=g).bool()
+    away = torch.where(up, float("inf"), float("-inf")).to(x.dtype)
+    out = x.detach().clone()
+    for _ in range(ulps):
+        out = torch.where(hit, torch.nextafter(out, away), out)
+    return out
+
+
+class _ForwardNoise(torch.autograd.Function):
+    """Moves some outputs by ±1 ulp; gradients pass through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fraction: float) -> torch.Tensor:
+        return _ulp_moved(x, fraction, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GradNoise(torch.autograd.Function):
+    """Identity forward; the backward moves some of the gradient by ±``ulps`` ulp."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
+        ctx.noise = (fraction, ulps)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _ulp_moved(grad, *ctx.noise), None, None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrillNoise:
+    """The non-determinism one :class:`DrillLinear` carries (see :class:`Drill`)."""
+
+    grad_noise: bool = False
+    everywhere: bool = False
+    reorder: bool = False
+    forward_fraction: float = 0.0
+    grad_fraction: float = 0.0
+    grad_ulps: int = 1
+
+    def __bool__(self) -> bool:
+        return bool(self.grad_noise or self.reorder or self.forward_fraction or self.grad_fraction)
+
+
 class DrillLinear(nn.Linear):
     """A Linear that can carry the drills' kinds of non-determinism."""
 
-    def __init__(
-        self,
-        n_in: int,
-        n_out: int,
-        *,
-        grad_noise: bool,
-        reorder: bool,
-        everywhere: bool = False,
-    ) -> None:
+    def __init__(self, n_in: int, n_out: int, noise: DrillNoise) -> None:
         super().__init__(n_in, n_out)
-        self.grad_noise = grad_noise
-        self.reorder = reorder
-        self.noise: type[torch.autograd.Function] = _UlpNoiseEverywhere if everywhere else _UlpNoise
+        self.kinds = noise
+        self.noise: type[torch.autograd.Function] = (
+            _UlpNoiseEverywhere if noise.everywhere else _UlpNoise
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.noise.apply(self.weight) if self.grad_noise else self.weight
-        if not self.reorder:
-            return nn.functional.linear(x, weight, self.bias)
-        half = x.shape[-1] // 2  # the same sum, added in another order
-        low = nn.functional.linear(x[..., :half], weight[:, :half])
-        return nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
+        kinds = self.kinds
+        weight: torch.Tensor = self.weight
+        if kinds.grad_fraction:
+            # In the dtype the backward kernel computes the gradient in (autocast's).
+            if torch.is_autocast_enabled("cpu"):
+                weight = weight.to(torch.get_autocast_dtype("cpu"))
+            weight = _GradNoise.apply(weight, kinds.grad_fraction, kinds.grad_ulps)
+        if kinds.grad_noise:
+            weight = self.noise.apply(weight)
+        if not kinds.reorder:
+            out = nn.functional.linear(x, weight, self.bias)
+        else:
+            half = x.shape[-1] // 2  # the same sum, added in another order
+            low = nn.functional.linear(x[..., :half], weight[:, :half])
+            out = nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
+        if kinds.forward_fraction:
+            out = _ForwardNoise.apply(out, kinds.forward_fraction)
+        return out
 
 
 def make_model(
-    width: int,
-    dropout: float,
-    noise: float = 0.0,
-    *,
-    grad_noise: bool = False,
-    reorder: bool = False,
-    noise_everywhere: bool = False,
+    width: int, dropout: float, noise: float = 0.0, *, kinds: DrillNoise | None = None
 ) -> nn.Module:
-    second: nn.Module = (
-        DrillLinear(
-            width, width, grad_noise=grad_noise, reorder=reorder, everywhere=noise_everywhere
-        )
-        if grad_noise or reorder
-        else nn.Linear(width, width)
-    )
+    second: nn.Module = DrillLinear(width, width, kinds) if kinds else nn.Linear(width, width)
     layers: list[nn.Module] = [
         nn.Linear(16, width),
         nn.ReLU(),
@@ -210,14 +267,15 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
     out = []
     for drill in drills:
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
-        model = make_model(
-            drill.width,
-            drill.dropout,
-            drill.noise,
+        kinds = DrillNoise(
             grad_noise=drill.grad_noise,
+            everywhere=drill.grad_noise_everywhere,
             reorder=drill.reorder_rank == rank,
-            noise_everywhere=drill.grad_noise_everywhere,
+            forward_fraction=drill.forward_noise,
+            grad_fraction=drill.grad_noise_fraction,
+            grad_ulps=drill.grad_noise_ulps,
         )
+        model = make_model(drill.width, drill.dropout, drill.noise, kinds=kinds)
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
@@ -257,13 +315,14 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 applied.append(True)
                 losses.append(total / len(micro))
                 continue
+            autocast = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if drill.bf16
+                else contextlib.nullcontext()
+            )
             try:
-                if drill.low_level:
-                    result = _low_level_step(guard, ddp, optimizer, micro[0])
-                else:
-                    result = (
-                        guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
-                    )
+                with autocast:
+                    result = _guarded_step(guard, ddp, optimizer, micro, drill.low_level)
             except OperatorUnreachableError as exc:
                 stopped = f"step {step}: {exc}"
                 break
@@ -294,6 +353,18 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         )
         dist.barrier()
     return out
+
+
+def _guarded_step(
+    guard: Guard,
+    ddp: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro: list[tuple[torch.Tensor, ...]],
+    low_level: bool,
+) -> StepResult:
+    if low_level:
+        return _low_level_step(guard, ddp, optimizer, micro[0])
+    return guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
 
 
 def _low_level_step(

@@ -322,6 +322,16 @@ class Guard:
         return None if noise.bit_reproducible is None else noise.largest
 
     @property
+    def replay_thresholds(self) -> dict[str, float | None] | None:
+        """The replay audit's detection threshold in force per kind of evidence: ``loss``
+        and ``gradients`` (the largest over the gradient statistics still compared),
+        each as :attr:`gradient_tolerance`; ``None`` for a kind set aside, too noisy to
+        verify anything (the agent log says which statistic and why). ``None``: no audit
+        yet."""
+        noise = self._audit.noise
+        return None if noise.bit_reproducible is None else noise.thresholds()
+
+    @property
     def bit_reproducible(self) -> bool | None:
         """Whether every replay so far matched its original bit for bit (``None``: no
         audit yet)."""
@@ -616,13 +626,17 @@ class Guard:
     def _log_tolerance(self) -> None:
         if self.gradient_tolerance is None:
             return
-        now = self._audit.noise.describe()  # the loss's threshold and the gradients'
+        thresholds = ", ".join(
+            f"{kind} {'set aside' if t is None else f'{t:.3g}'}"
+            for kind, t in (self.replay_thresholds or {}).items()
+        )
+        now = f"{thresholds} ({self._audit.noise.describe()})"
         if now == self._tolerance_logged:
             return
         self._tolerance_logged = now
         log.log(
             logging.INFO if self.group_rank == 0 else logging.DEBUG,
-            "sdc_agent: replay audit threshold: %s",
+            "sdc_agent: replay audit threshold per kind of evidence: %s",
             now,
         )
 
@@ -870,6 +884,7 @@ class Guard:
                     gradient_tolerance=self.gradient_tolerance,
                     bit_reproducible=self.bit_reproducible,
                     run_id=self.run_id,
+                    thresholds=self.replay_thresholds,
                 )
             )
             self._heartbeat_at = tick
