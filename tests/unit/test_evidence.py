@@ -154,10 +154,12 @@ def test_caps_follow_the_dtype_and_the_tensor_size() -> None:
     bf16 = kind_caps(torch.bfloat16, [4, 4096])
     eps = torch.finfo(torch.bfloat16).eps
     assert bf16[LOSS] == noise_cap(torch.bfloat16)
-    assert bf16[1] == 2 * eps and bf16[3] == eps / 2, "a bias of 4 may move further"
+    assert bf16[1] == 4 * eps and bf16[3] == 2 * eps, "a bias of 4 may move further"
     assert bf16[2] == bf16[4] == 4 * eps
     # What rounding does: ±1 ulp at random in every element of a bf16 tensor stays
-    # within its caps; one ulp up in every element (a coherent fault) does not.
+    # within its caps; one ulp up in every element (a coherent fault) moves the sum of
+    # squares several times further (within the cap: the learned tolerance and the recheck
+    # catch it, not the cap).
     torch.manual_seed(0)
     for n in (4, 64, 4096):
         g = torch.randn(n).to(torch.bfloat16)
@@ -170,7 +172,7 @@ def test_caps_follow_the_dtype_and_the_tensor_size() -> None:
         assert compare(a, b).rel[1] <= caps[1], n
         assert compare(a, b).rel[2] <= caps[2], n
         if n >= 64:
-            assert compare(a, c).rel[1] > caps[1], n
+            assert compare(a, c).rel[1] > 4 * compare(a, b).rel[1], n
 
 
 def test_a_bitwise_difference_that_moves_no_statistic_is_learned_above_zero() -> None:
@@ -213,10 +215,11 @@ def test_known_noise_widens_where_it_was_learned_and_new_evidence_is_told_apart(
     assert job.job == {1: HEADROOM * 5e-8, 2: HEADROOM * 5e-8} and job.per_rank == {}
 
 
-def test_an_excused_rank_takes_differences_up_to_the_cap_in_the_parts_that_differed() -> None:
+def test_an_excused_rank_takes_differences_up_to_the_cap_in_every_kind() -> None:
     model = fp32_model()
-    model.excuse(1, loss_off(8e-8))
+    model.excuse(1)
     assert model.tolerance([1]).loss == noise_cap(torch.float32)
-    assert model.tolerance([1]).gradients == 0, "the gradients were not part of it"
+    assert model.tolerance([1]).gradients == noise_cap(torch.float32), "reported once"
+    assert model.tolerance([2]).values == (0.0, 0.0, 0.0)
     assert not loss_off(9e-7).differs(model.tolerance([1, 2]))
     assert loss_off(2e-6).differs(model.tolerance([1, 2])), "above the cap: still evidence"
