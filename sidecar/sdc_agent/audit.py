@@ -53,7 +53,7 @@ from .replay import (
 )
 from .topology import Topology
 
-__all__ = ["AuditOutcome", "ReplayAudit", "ReplayStats"]
+__all__ = ["AuditOutcome", "ReplayAudit", "ReplayStats", "audited_micro_batch"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -96,6 +96,22 @@ class AuditOutcome:
     """Where the evidence of a localized, persistent finding is (every rank)."""
     work: EvidenceWork | None = None
     """That evidence, on the rank that holds it (:attr:`BundleSource.writer`)."""
+
+
+MICRO_BATCH_SEED = 0x5DC
+"""The seed of the audited micro-batch's permutations: the same on every rank (they need
+no secret: which micro-batch is audited is no use to a faulty GPU)."""
+
+
+def audited_micro_batch(audit: int, count: int, seed: int = MICRO_BATCH_SEED) -> int:
+    """The micro-batch the ``audit``-th audit (from 0) replays, of ``count``: audits go in
+    cycles of ``count``, each a permutation drawn from ``seed`` and the cycle's number, so
+    every index is audited once in every cycle."""
+    if count <= 1:
+        return 0
+    cycle, position = divmod(audit, count)
+    order = random.Random(seed * 1_000_003 + cycle).sample(range(count), count)
+    return order[position]
 
 
 class _Collector:
@@ -218,6 +234,16 @@ class ReplayAudit:
         """Ranks a rounding-level, reproducible difference pointed at in the last audit of
         a job that is not bit-reproducible: named if the next audit points at them again."""
         self._watched: set[int] = set()
+        self._watch_evidence: list[tuple[Comparison, frozenset[int]]] = []
+        """What made the watched ranks watched: learned as noise if the next audit does not
+        point at them again."""
+        self._audits_due = 0  # audits started so far: the position in the permutations
+        self._count = 1  # micro-batches per step, as the last step had them
+        self.audited = 0
+        """The index of the micro-batch this step's audit replays (see
+        :func:`audited_micro_batch`)."""
+        self._forwards = 0
+        self._grad_hooks: list[Any] = []
 
     def _shared_seed(self) -> int:
         # Group rank 0 draws, everyone adds: the same seed on every rank.
@@ -239,6 +265,14 @@ class ReplayAudit:
         drawn = self.probability > 0 and self._schedule.random() < self.probability
         self._due_if_replayable = scheduled or drawn
         self.due = self._due_if_replayable and self.loss_fn is not None
+        if self._micro:
+            self._count = self._micro
+        self._drop_grad_hooks()
+        self.audited = 0
+        if self._due_if_replayable:
+            self.audited = audited_micro_batch(self._audits_due, self._count)
+            self._audits_due += 1
+        self._forwards = 0
         self.step = step
         self.payload = None
         self.own_loss = None
@@ -262,22 +296,27 @@ class ReplayAudit:
 
     def forward_starts(self) -> None:
         """From the model's forward pre-hook: the RNG state the micro-batch starts from."""
-        if self._rng is None:
+        if self._rng is None and self._forwards == self.audited:
             self._rng = RngState.capture(self.device)
+        self._forwards += 1
 
     def micro_batch(self, batch: Any, loss: torch.Tensor, *, syncs: bool, copy: bool) -> None:
         """A micro-batch's forward is done and its ``loss`` is about to be backpropagated.
 
-        The first of the step is the audited one. ``syncs``: its backward all-reduces
-        (no ``no_sync``), so the communication hook sees its local gradients.
+        The audited one is :attr:`audited` of the step (the first when the step has one).
+        ``syncs``: its backward all-reduces (no ``no_sync``), so the communication hook
+        sees its local gradients (the first micro-batch only: later ones' hook gradients
+        carry the earlier ones' too).
         """
+        index = self._micro
         self._micro += 1
         self._syncing_recorded += syncs
-        if self._micro == 2:
+        if index == self.audited + 1:
             self._in_hook = False  # the hook now carries later micro-batches' gradients
+            self._drop_grad_hooks()  # the audited micro-batch's backward is done
             if self._observe_later:
-                self.observe_grads()  # the first micro-batch's backward is done
-        if self._micro > 1:
+                self.observe_grads()
+        if index != self.audited:
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise SDCError("loss: must be a scalar tensor (the micro-batch's loss)")
@@ -288,8 +327,14 @@ class ReplayAudit:
         # A copy: loops scale the loss tensor in place (the Trainer multiplies it by the
         # world size when averaging tokens across devices).
         self.own_loss = loss.detach().clone()
-        self._observe_later = self.due and not syncs
-        self._in_hook = self.due and syncs
+        if self.due and index > 0:
+            # Its own gradients, as each backward hands them over, before they are added
+            # to the earlier micro-batches' in .grad.
+            self._grad_hooks = [
+                p.register_hook(self._own_grad(i)) for i, p in enumerate(self.params)
+            ]
+        self._observe_later = self.due and not syncs and index == 0
+        self._in_hook = self.due and syncs and index == 0
         if loss.requires_grad:
             payload = self.payload
 
@@ -297,6 +342,17 @@ class ReplayAudit:
                 payload.loss_grad = grad.detach()
 
             loss.register_hook(record)
+
+    def _own_grad(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._own.add(i, grad)
+
+        return hook
+
+    def _drop_grad_hooks(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
 
     @property
     def capturing_in_hook(self) -> bool:
@@ -382,6 +438,7 @@ class ReplayAudit:
         return grad
 
     def own_summary(self) -> Summary:
+        self._drop_grad_hooks()
         self.observe_grads()
         assert self.own_loss is not None
         return self._own.summary(self.own_loss, len(self.params))
@@ -458,6 +515,7 @@ class ReplayAudit:
         first = self.noise.audits == 0
         self.noise.audits += 1
         self._watched, self._watch = self._watch, set()
+        watched_evidence, self._watch_evidence = self._watch_evidence, []
         flagged: Kinds = {}
         for p, c in comparisons.items():
             if kinds := c.differing(self._tolerance(p, ring[p])):
@@ -477,8 +535,14 @@ class ReplayAudit:
                 notes.append(note)
             flagged, note = self._storms(flagged, comparisons)
             notes.append(note)
+            flagged = self._exact_first(flagged, comparisons)
         learned = "; ".join(n for n in notes if n) or None
         mismatched = sorted(flagged)
+        pointed = {r for p in mismatched for r in (p, ring[p])}
+        if self._watched and not self._watched & pointed:
+            # Not pointed at again: what made them watched was the job's noise.
+            for c, kinds in watched_evidence:
+                self.noise.learn_job([c], kinds)
         self.stats.mismatches += len(mismatched)
         self.stats.loss_mismatches += sum(LOSS in flagged[p] for p in mismatched)
         if mismatched:
@@ -552,6 +616,18 @@ class ReplayAudit:
         if self.noise.blind:
             return self._go_blind(evidence, note)
         return AuditOutcome(finding, evidence, True, f"{note}; {self.noise.describe()}")
+
+    def _exact_first(self, flagged: Kinds, comparisons: dict[int, Comparison]) -> Kinds:
+        """Where some comparisons differ in kinds of evidence that were bit for bit for
+        their pair (new evidence), those alone are explained this audit: exceedances in
+        kinds known to carry noise would otherwise crowd the pattern into a storm."""
+        ring = self.replayer_of
+        exact: Kinds = {}
+        for p, kinds in flagged.items():
+            t = self._tolerance(p, ring[p])
+            if bits := frozenset(k for k in kinds if t.of(k) <= 0):
+                exact[p] = bits
+        return exact or flagged
 
     def _rounding_noise(self, flagged: Kinds, comparisons: dict[int, Comparison]) -> bool:
         """Every difference flagged is within its cap, in a kind already known to carry
@@ -706,6 +782,7 @@ class ReplayAudit:
                 ):
                     deferred.add(q)
             self._watch = deferred
+            self._watch_evidence = [(c, ks) for p, c, ks in against if deferred & {p, ring[p]}]
             named = suspects - deferred
             if not named:
                 return None

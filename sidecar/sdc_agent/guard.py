@@ -350,7 +350,9 @@ class Guard:
 
         With ``micro_batches`` (gradient accumulation) every micro-batch's loss is divided
         by their number before backward, gradients are all-reduced once, after the last,
-        and the replay audit checks the first micro-batch. ``result.loss`` is then the mean.
+        and the replay audit checks one micro-batch per audit, each index once in every
+        ``len(micro_batches)`` audits (:func:`~sdc_agent.audit.audited_micro_batch`).
+        ``result.loss`` is then the mean.
         """
         if self.loss_fn is None:
             raise ConfigError("loss_fn: Guard.step needs one; pass loss_fn(model, batch)")
@@ -370,7 +372,7 @@ class Guard:
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
             audited = micro
-            if j == 0 and self._audit.due:  # before the forward, which may change it
+            if j == self._audit.audited and self._audit.due:  # before its forward changes it
                 audited = map_tensors(micro, lambda t: t.detach().clone())
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.loss_fn(self.model, micro)
