@@ -619,13 +619,17 @@ class ReplayAudit:
 
     def _exact_first(self, flagged: Kinds, comparisons: dict[int, Comparison]) -> Kinds:
         """Where some comparisons differ in kinds of evidence that were bit for bit for
-        their pair (new evidence), those alone are explained this audit: exceedances in
-        kinds known to carry noise would otherwise crowd the pattern into a storm."""
+        their pair (new evidence) or beyond their cap, those alone are explained this
+        audit: exceedances within the cap in kinds known to carry noise would otherwise
+        crowd the pattern into a storm."""
         ring = self.replayer_of
         exact: Kinds = {}
         for p, kinds in flagged.items():
             t = self._tolerance(p, ring[p])
-            if bits := frozenset(k for k in kinds if t.of(k) <= 0):
+            c = comparisons[p]
+            if bits := frozenset(
+                k for k in kinds if t.of(k) <= 0 or not self.noise.within_cap(c, [k])
+            ):
                 exact[p] = bits
         return exact or flagged
 
@@ -753,8 +757,11 @@ class ReplayAudit:
             return finding
         within = all(self.noise.within_cap(c, kinds) for _, c, kinds in against)
         worst = max(c.rel[k] for _, c, kinds in against for k in kinds)
-        # Bit-reproducible so far: no comparison of this job ever differed in any bit.
-        exact = self.noise.observed == 0
+        # Bit-reproducible so far: no comparison of this job ever differed in any bit, nor
+        # any of this audit's but those against the suspects.
+        exact = self.noise.observed == 0 and all(
+            c.bitwise_equal for p, c in comparisons.items() if not suspects & {p, ring[p]}
+        )
         known = not any(self.noise.new_evidence(c, (p, ring[p]), kinds) for p, c, kinds in against)
         if finding.transient and not exact and (within or known):
             # Not reproducible on the same GPU, in a job whose kernels are not
