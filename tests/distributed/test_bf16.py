@@ -64,7 +64,7 @@ for _noise, _kw in NOISE.items():
         )
 # Noise from a private generator, up to 1 on every output (the size of the targets):
 # nothing replays it, and it moves the loss far beyond rounding in every comparison.
-SCENARIOS["unreplayable"] = drill(steps=2 * EVERY, noise=0.1, config={**CONFIG, "weights_every": 5})
+SCENARIOS["unreplayable"] = drill(steps=2 * EVERY, noise=1.0, config={**CONFIG, "weights_every": 5})
 
 
 @pytest.fixture(scope="module")
