@@ -535,7 +535,8 @@ class ReplayAudit:
                 notes.append(note)
             flagged, note = self._storms(flagged, comparisons)
             notes.append(note)
-            flagged = self._exact_first(flagged, comparisons)
+            if self.noise.headroom < HEADROOM:  # 16-bit: no widening before the recheck
+                flagged = self._exact_first(flagged, comparisons)
         learned = "; ".join(n for n in notes if n) or None
         mismatched = sorted(flagged)
         pointed = {r for p in mismatched for r in (p, ring[p])}
