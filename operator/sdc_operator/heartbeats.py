@@ -15,13 +15,12 @@ heartbeats went to the other replica.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdc_agent.protocol import REPLAY_EVIDENCE_KINDS, HeartbeatReport
+from sdc_agent.protocol import HeartbeatReport
 
 from .incidents import JobRef
 from .metrics import Metrics
@@ -41,7 +40,6 @@ class _NodeBeat:
     tolerance: float | None
     reproducible: bool | None
     interval: float | None
-    thresholds: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,7 +78,6 @@ class Heartbeats:
             report.gradient_tolerance,
             report.bit_reproducible,
             interval,
-            dict(report.thresholds or {}),
         )
         beats.last = now
         if interval:
@@ -170,12 +167,6 @@ class Heartbeats:
             tolerances = [b.tolerance for b in recent if b.tolerance is not None]
             if tolerances:
                 self._set("gradient_tolerance", job, max(tolerances))
-            for kind in REPLAY_EVIDENCE_KINDS:  # kinds this operator does not know: ignored
-                seen = [b.thresholds[kind] for b in recent if kind in b.thresholds]
-                if seen:
-                    # A node that set the kind aside (null) verifies nothing with it.
-                    worst = math.inf if None in seen else max(t for t in seen if t is not None)
-                    self._set("replay_threshold", (*job, kind), worst)
             verdicts = [b.reproducible for b in recent if b.reproducible is not None]
             if verdicts:
                 self._set("bit_reproducible", job, float(all(verdicts)))

@@ -135,14 +135,6 @@ class Metrics:
             _JOB,
             registry=r,
         )
-        self.replay_threshold = Gauge(
-            "hyperpod_sdc_replay_threshold",
-            "The replay audit's detection threshold in force per kind of evidence (loss, "
-            "gradients; relative, largest over the nodes; 0: compared bit for bit; +Inf: set "
-            "aside, too noisy to verify anything).",
-            [*_JOB, "kind"],
-            registry=r,
-        )
         self.bit_reproducible = Gauge(
             "hyperpod_sdc_bit_reproducible",
             "1 when every reporting node found the job bit-reproducible, 0 when one did not.",

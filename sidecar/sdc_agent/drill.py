@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import GuardConfig
 from .errors import OperatorUnreachableError
-from .faults import FaultSpec, _CorruptForward
+from .faults import FaultSpec
 from .fingerprint import Fingerprinter, format_fingerprint
 from .guard import Guard
 from .launch import spawn_local
@@ -66,22 +66,6 @@ class Drill:
     """This rank's process computes the second layer's forward in another summation
     order from the first step: a deterministic last-bit difference, as per-process
     autotuning gives."""
-    bf16: bool = False
-    """Run every forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
-    forward_noise: float = 0.0
-    """This fraction of the second layer's outputs moves by ±1 ulp (of the dtype they are
-    computed in) in every computation, drawn from a private generator: a forward kernel
-    that is not reproducible run to run (split-K GEMMs, autotuned tiles)."""
-    grad_noise_fraction: float = 0.0
-    """This fraction of the second layer's weight gradient moves by ±``grad_noise_ulps``
-    ulp (of the dtype the backward computes it in) in every computation: a backward
-    reduction made with atomics (FlashAttention's, the embedding's)."""
-    grad_noise_ulps: int = 1
-    marked_fault: tuple[int, int, float] | None = None
-    """``(rank, step, relative error)``: a fault only some inputs trigger. From ``step`` on,
-    that rank's first layer computes its output wrong by the relative error whenever its
-    input is a marked micro-batch; micro-batch :data:`MARKED` (the third) of every step is
-    marked, on every rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,94 +135,48 @@ class _UlpNoiseEverywhere(torch.autograd.Function):
         return torch.nextafter(grad, torch.where(up, float("inf"), float("-inf")).to(grad.dtype))
 
 
-def _ulp_moved(x: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
-    """``x`` with ``fraction`` of its elements moved by ±``ulps`` units in the last place
-    of its dtype, chosen by a private, unseeded generator (a replay cannot reproduce it)."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    hit = torch.rand(x.shape, generator=g) < fraction
-    up = torch.randint(0, 2, x.shape, generator=g).bool()
-    away = torch.where(up, float("inf"), float("-inf")).to(x.dtype)
-    out = x.detach().clone()
-    for _ in range(ulps):
-        out = torch.where(hit, torch.nextafter(out, away), out)
-    return out
-
-
-class _ForwardNoise(torch.autograd.Function):
-    """Moves some outputs by ±1 ulp; gradients pass through unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fraction: float) -> torch.Tensor:
-        return _ulp_moved(x, fraction, 1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _GradNoise(torch.autograd.Function):
-    """Identity forward; the backward moves some of the gradient by ±``ulps`` ulp."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
-        ctx.noise = (fraction, ulps)
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _ulp_moved(grad, *ctx.noise), None, None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DrillNoise:
-    """The non-determinism one :class:`DrillLinear` carries (see :class:`Drill`)."""
-
-    grad_noise: bool = False
-    everywhere: bool = False
-    reorder: bool = False
-    forward_fraction: float = 0.0
-    grad_fraction: float = 0.0
-    grad_ulps: int = 1
-
-    def __bool__(self) -> bool:
-        return bool(self.grad_noise or self.reorder or self.forward_fraction or self.grad_fraction)
-
-
 class DrillLinear(nn.Linear):
     """A Linear that can carry the drills' kinds of non-determinism."""
 
-    def __init__(self, n_in: int, n_out: int, noise: DrillNoise) -> None:
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        *,
+        grad_noise: bool,
+        reorder: bool,
+        everywhere: bool = False,
+    ) -> None:
         super().__init__(n_in, n_out)
-        self.kinds = noise
-        self.noise: type[torch.autograd.Function] = (
-            _UlpNoiseEverywhere if noise.everywhere else _UlpNoise
-        )
+        self.grad_noise = grad_noise
+        self.reorder = reorder
+        self.noise: type[torch.autograd.Function] = _UlpNoiseEverywhere if everywhere else _UlpNoise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kinds = self.kinds
-        weight: torch.Tensor = self.weight
-        if kinds.grad_fraction:
-            # In the dtype the backward kernel computes the gradient in (autocast's).
-            if torch.is_autocast_enabled("cpu"):
-                weight = weight.to(torch.get_autocast_dtype("cpu"))
-            weight = _GradNoise.apply(weight, kinds.grad_fraction, kinds.grad_ulps)
-        if kinds.grad_noise:
-            weight = self.noise.apply(weight)
-        if not kinds.reorder:
-            out = nn.functional.linear(x, weight, self.bias)
-        else:
-            half = x.shape[-1] // 2  # the same sum, added in another order
-            low = nn.functional.linear(x[..., :half], weight[:, :half])
-            out = nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
-        if kinds.forward_fraction:
-            out = _ForwardNoise.apply(out, kinds.forward_fraction)
-        return out
+        weight = self.noise.apply(self.weight) if self.grad_noise else self.weight
+        if not self.reorder:
+            return nn.functional.linear(x, weight, self.bias)
+        half = x.shape[-1] // 2  # the same sum, added in another order
+        low = nn.functional.linear(x[..., :half], weight[:, :half])
+        return nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
 
 
 def make_model(
-    width: int, dropout: float, noise: float = 0.0, *, kinds: DrillNoise | None = None
+    width: int,
+    dropout: float,
+    noise: float = 0.0,
+    *,
+    grad_noise: bool = False,
+    reorder: bool = False,
+    noise_everywhere: bool = False,
 ) -> nn.Module:
-    second: nn.Module = DrillLinear(width, width, kinds) if kinds else nn.Linear(width, width)
+    second: nn.Module = (
+        DrillLinear(
+            width, width, grad_noise=grad_noise, reorder=reorder, everywhere=noise_everywhere
+        )
+        if grad_noise or reorder
+        else nn.Linear(width, width)
+    )
     layers: list[nn.Module] = [
         nn.Linear(16, width),
         nn.ReLU(),
@@ -250,20 +188,6 @@ def make_model(
     if noise:
         layers.append(_Noise(noise))
     return nn.Sequential(*layers)
-
-
-MARKED = 2
-"""The index of the micro-batch :attr:`Drill.marked_fault` marks (the third)."""
-_MARK = 4.5  # the first input feature of every row of a marked micro-batch
-
-
-def _marked_fault_hook(spec: FaultSpec, step_of: list[int]) -> Any:
-    def hook(_module: nn.Module, inputs: Any, output: torch.Tensor) -> Any:
-        if step_of[0] < spec.step or not bool((inputs[0][..., 0] == _MARK).all()):
-            return None
-        return _CorruptForward.apply(output, spec)
-
-    return hook
 
 
 def make_batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -286,30 +210,15 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
     out = []
     for drill in drills:
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
-        kinds = DrillNoise(
+        model = make_model(
+            drill.width,
+            drill.dropout,
+            drill.noise,
             grad_noise=drill.grad_noise,
-            everywhere=drill.grad_noise_everywhere,
             reorder=drill.reorder_rank == rank,
-            forward_fraction=drill.forward_noise,
-            grad_fraction=drill.grad_noise_fraction,
-            grad_ulps=drill.grad_noise_ulps,
+            noise_everywhere=drill.grad_noise_everywhere,
         )
-        model = make_model(drill.width, drill.dropout, drill.noise, kinds=kinds)
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
-        step_of = [0]
-        if drill.marked_fault is not None and drill.marked_fault[0] == rank:
-            _, first, error = drill.marked_fault
-            spec = FaultSpec(
-                rank=rank,
-                step=first,
-                site="forward",
-                kind="relative",
-                index=None,
-                relative_error=error,
-                persistent=True,
-            )
-            first_layer = dict(model.named_modules())["0"]
-            first_layer.register_forward_hook(_marked_fault_hook(spec, step_of))
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
         guard = (
@@ -329,13 +238,10 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         stopped: str | None = None
         start = time.perf_counter()
         for step in range(1, drill.steps + 1):
-            step_of[0] = step
             micro = [
                 make_batch(drill.seed, rank, step * 100 + j, drill.batch_size)
                 for j in range(drill.micro_batches)
             ]
-            if drill.marked_fault is not None and len(micro) > MARKED:
-                micro[MARKED][0][:, 0] = _MARK
             if drill.poison == (rank, step):
                 micro[0][0][0, 0] = float("nan")
             if guard is None:
@@ -351,14 +257,13 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 applied.append(True)
                 losses.append(total / len(micro))
                 continue
-            autocast = (
-                torch.autocast("cpu", dtype=torch.bfloat16)
-                if drill.bf16
-                else contextlib.nullcontext()
-            )
             try:
-                with autocast:
-                    result = _guarded_step(guard, ddp, optimizer, micro, drill.low_level)
+                if drill.low_level:
+                    result = _low_level_step(guard, ddp, optimizer, micro[0])
+                else:
+                    result = (
+                        guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
+                    )
             except OperatorUnreachableError as exc:
                 stopped = f"step {step}: {exc}"
                 break
@@ -389,18 +294,6 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         )
         dist.barrier()
     return out
-
-
-def _guarded_step(
-    guard: Guard,
-    ddp: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro: list[tuple[torch.Tensor, ...]],
-    low_level: bool,
-) -> StepResult:
-    if low_level:
-        return _low_level_step(guard, ddp, optimizer, micro[0])
-    return guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
 
 
 def _low_level_step(

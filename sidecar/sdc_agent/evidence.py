@@ -1,29 +1,24 @@
 """What counts as evidence in the replay audit, on kernels that are not bit-reproducible.
 
-Each comparison of two computations of one micro-batch is judged on each **kind** of
-evidence separately, each with its own cap and its own learned noise:
+Two kinds of evidence, each with its own tolerance:
 
-* the **loss** (the forward pass): bit for bit, and by its relative difference;
-* per gradient tensor, its **sum of squares** and its **sum** (float64 statistics of the
-  elements), each by its relative difference, behind a bitwise fingerprint of the tensor.
+* the **loss** (the forward pass): compared bit for bit, and by its relative difference;
+* the **gradients**: a bitwise fingerprint per tensor and, per tensor, two float64
+  statistics (the sum and the sum of squares of its elements). The relative difference
+  of the statistics is what run-to-run noise moves by a last bit or so and a hardware
+  fault by its size: a whole tensor off by 2.5e-5 moves its sum of squares by 5e-5.
 
-Run-to-run noise (atomics, split-K GEMMs, autotuned kernels) moves individual elements by
-an ulp or so, at random; a hardware fault moves a whole layer's outputs one way, which
-moves the next layer's weight gradient's sum of squares by about twice the fault's
-relative size. Judging each kind apart keeps noise in one layer (an atomic backward) from
-masking a fault in another, and the loss, which backward noise never touches, compared
-bit for bit however noisy the gradients are.
-
-:class:`NoiseModel` learns, from the audits themselves, how far each kind differs when
-nothing is wrong: a tolerance per rank (differences one rank's process always makes,
-such as a kernel it autotuned differently) and one for the whole job (run-to-run noise
-everywhere). A kind is evidence in a comparison when it differs by more than its
-tolerance, or by anything at all while that tolerance is 0. Tolerances are capped per
-kind by the dtype the computation ran in and the tensor's size (:func:`kind_caps`): a
-difference above the cap is never noise. A kind whose noise goes beyond its cap in a
-pattern no faulty GPU makes can verify nothing and is set aside, with the measured noise
-and the cap as the reason; the others are still compared. Every rank updates the model
-from the same gathered table, so every rank holds the same tolerances.
+:class:`NoiseModel` learns, from the audits themselves, how far comparisons of this job
+differ when nothing is wrong: a tolerance per rank (differences that one rank's process
+always makes, such as a kernel it autotuned differently) and one for the whole job
+(run-to-run noise everywhere, such as atomics). The loss and the gradients are learned
+apart: only loss differences raise the loss tolerance, so noise in the backward (atomics
+in a weight gradient, the common case) leaves the loss compared bit for bit, and a
+forward error one ulp wide still shows. A comparison is evidence when either part differs
+by more than its tolerance, or by anything at all while that tolerance is 0. Tolerances
+are capped by the dtype the computation ran in: a difference above the cap is never
+noise. Every rank updates the model from the same gathered table, so every rank holds
+the same tolerances.
 """
 
 from __future__ import annotations
@@ -36,8 +31,6 @@ import torch
 
 __all__ = [
     "HEADROOM",
-    "HEADROOM_16BIT",
-    "LOSS",
     "NOISE_CAPS",
     "Comparison",
     "NoiseModel",
@@ -45,16 +38,9 @@ __all__ = [
     "Tolerance",
     "compare",
     "compute_dtype",
-    "kind_caps",
-    "kind_count",
-    "kind_name",
     "noise_cap",
     "tensor_stats",
 ]
-
-LOSS = 0
-"""The kind of evidence that is the loss; gradient tensor ``i`` gives kinds ``1 + 2i``
-(its sum of squares) and ``2 + 2i`` (its sum)."""
 
 NOISE_CAPS: dict[torch.dtype, float] = {
     torch.float64: 2e-15,
@@ -65,8 +51,7 @@ NOISE_CAPS: dict[torch.dtype, float] = {
 """Largest relative difference (of the loss, or of a gradient statistic) ever taken for
 noise, by the dtype the computation ran in (see :func:`compute_dtype`). Above it a
 difference is evidence even on the first audit, and a difference at or below it that
-reproduces on the suspect is one a per-process kernel choice could make too. It is the
-loss's cap, and the gradient statistics' floor (see :func:`kind_caps`).
+reproduces on the suspect is one a per-process kernel choice could make too.
 
 Run-to-run noise (atomics, reordered or split reductions, autotuned kernels) moves
 individual elements by an ulp or so; a statistic over a tensor moves by about the unit
@@ -76,35 +61,9 @@ float32 and float64: 8 eps. The 16-bit formats carry their rounding in the compu
 FlashAttention's non-deterministic backward in bf16, 1e-3, and float16 the same
 fraction of its eps (3 fewer mantissa bits than fp16, 8 times smaller)."""
 
-SUM_OF_SQUARES_EPS = 2.0
-"""Cap of a gradient tensor's sum of squares, in units of the dtype's eps (with
-:data:`SMALL_TENSOR_EPS`). Elements moved by an ulp at random move it by about
-``2 eps sqrt(sum x^4) / sum x^2``, which the few large elements of a trained model's
-gradient make far more than ``2 eps / sqrt(n)``: measured in bf16 (width 256, batch 32,
-trained with Adam), noise of ±1 ulp in 1 % of a layer's outputs moved it by up to 1.1e-2,
-±4 ulp in 10 % of a layer's gradient by up to 1.5e-2. A fault that shifts every input of
-a layer by one ulp moves that layer's weight gradient's by 4.5e-3 to 1.7e-2: within the
-cap, so such a fault is caught by the learned tolerance and the recheck, not the cap."""
-
-SMALL_TENSOR_EPS = 8.0  # bf16, n = 4: 3.1e-2
-"""A tensor of ``n`` elements may move by ``SMALL_TENSOR_EPS * eps / sqrt(n)``: one ulp in
-one of four elements is a large part of their sum of squares (a bias of 4 measured up
-to 1.1e-2 in bf16); from 16 elements on :data:`SUM_OF_SQUARES_EPS` decides."""
-
-SUM_EPS = 4.0
-"""Cap of a gradient tensor's sum (relative to its norm), in eps: ulp-sized changes of
-random sign in every element move it by about ``eps`` each, ±4 ulp by about ``4 eps``
-(measured in bf16: up to 1.9e-2)."""
-
 HEADROOM = 8.0
 """The tolerance in force is this many times the largest noise seen, within the cap:
 noise that was 1e-7 in the audits so far may be 4e-7 in the next."""
-
-HEADROOM_16BIT = 2.0
-"""The headroom for computations in the 16-bit formats, where a fault of one ulp in a
-layer's output is only a few times the noise: the tolerance stays close to the noise
-seen, and the exceedances noise still makes are settled by the recheck (a recomputation
-does not reproduce them)."""
 
 _TINY = 1e-300
 _CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
@@ -112,35 +71,6 @@ _CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
 
 def noise_cap(dtype: torch.dtype) -> float:
     return NOISE_CAPS.get(dtype, NOISE_CAPS[torch.float32])
-
-
-def kind_count(tensors: int) -> int:
-    """Kinds of evidence for a model of ``tensors`` gradient tensors."""
-    return 1 + 2 * tensors
-
-
-def kind_name(kind: int, names: Sequence[str] = ()) -> str:
-    """``loss``, ``sum of squares of <tensor>`` or ``sum of <tensor>``."""
-    if kind == LOSS:
-        return "loss"
-    i = (kind - 1) // 2
-    tensor = names[i] if i < len(names) else f"gradient {i}"
-    return ("sum of squares of " if kind % 2 else "sum of ") + tensor
-
-
-def kind_caps(dtype: torch.dtype, sizes: Sequence[int]) -> tuple[float, ...]:
-    """The cap of each kind for a computation in ``dtype`` of gradient tensors of
-    ``sizes`` elements (see :data:`NOISE_CAPS`, :data:`SUM_OF_SQUARES_EPS`,
-    :data:`SUM_EPS`): float32 and float64 keep their 8 eps everywhere, the 16-bit formats,
-    whose gradients carry their rounding, get caps their rounding can reach."""
-    floor = noise_cap(dtype)
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    caps = [floor]
-    for n in sizes:
-        small = SMALL_TENSOR_EPS * eps / math.sqrt(max(n, 1))
-        caps.append(max(floor, SUM_OF_SQUARES_EPS * eps, small))
-        caps.append(max(floor, SUM_EPS * eps))
-    return tuple(caps)
 
 
 def compute_dtype(
@@ -195,73 +125,38 @@ class Summary:
 
 @dataclass(frozen=True, slots=True)
 class Tolerance:
-    """The relative differences taken for noise, per kind of evidence (0: none, any
-    difference is evidence), and the kinds set aside (:attr:`NoiseModel.unusable`)."""
+    """The relative differences taken for noise, per kind of evidence (0: none; any
+    difference is evidence)."""
 
-    values: tuple[float, ...] = ()
-    skip: frozenset[int] = frozenset()
-
-    def of(self, kind: int) -> float:
-        return self.values[kind] if kind < len(self.values) else 0.0
-
-    @property
-    def loss(self) -> float:
-        return self.of(LOSS)
-
-    @property
-    def gradients(self) -> float:
-        """The largest gradient tolerance among the kinds still compared."""
-        return max(
-            [0.0, *(t for k, t in enumerate(self.values) if k != LOSS and k not in self.skip)]
-        )
+    loss: float = 0.0
+    gradients: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """How two computations of one micro-batch differ, per kind of evidence."""
+    """How two computations of one micro-batch differ."""
 
-    equal: tuple[bool, ...]
-    """Per kind: bit for bit (a gradient tensor's two kinds share its fingerprint)."""
-    rel: tuple[float, ...]
-    """Per kind: the relative difference."""
-
-    @property
-    def loss_equal(self) -> bool:
-        return self.equal[LOSS]
-
-    @property
-    def loss_rel(self) -> float:
-        return self.rel[LOSS]
-
-    @property
-    def grads_equal(self) -> bool:
-        return all(self.equal[1:])
-
-    @property
-    def grad_rel(self) -> float:
-        return max(self.rel[1:], default=0.0)
+    loss_equal: bool
+    grads_equal: bool
+    loss_rel: float
+    grad_rel: float
 
     @property
     def bitwise_equal(self) -> bool:
-        return all(self.equal)
+        return self.loss_equal and self.grads_equal
 
     @property
     def magnitude(self) -> float:
-        return max(self.rel)
-
-    def differing(self, tolerance: Tolerance) -> frozenset[int]:
-        """The kinds that are evidence at ``tolerance``: they differ by any bit while
-        their tolerance is 0, by more than it otherwise (set-aside kinds never)."""
-        return frozenset(
-            k
-            for k, (eq, rel) in enumerate(zip(self.equal, self.rel, strict=True))
-            if not eq
-            and k not in tolerance.skip
-            and (tolerance.of(k) <= 0 or rel > tolerance.of(k))
-        )
+        return max(self.loss_rel, self.grad_rel)
 
     def differs(self, tolerance: Tolerance) -> bool:
-        return bool(self.differing(tolerance))
+        """Evidence at ``tolerance``: the loss or the gradients differ by any bit while
+        their tolerance is 0, by more than it otherwise."""
+        loss = not self.loss_equal and (tolerance.loss <= 0 or self.loss_rel > tolerance.loss)
+        grads = not self.grads_equal and (
+            tolerance.gradients <= 0 or self.grad_rel > tolerance.gradients
+        )
+        return loss or grads
 
 
 def _rel(a: float, b: float, scale: float) -> float:
@@ -273,107 +168,61 @@ def _rel(a: float, b: float, scale: float) -> float:
 
 
 def compare(a: Summary, b: Summary) -> Comparison:
-    """Compare two computations of the same micro-batch, kind by kind."""
+    """Compare two computations of the same micro-batch."""
     loss_equal = a.loss_bits == b.loss_bits
     loss_rel = 0.0 if loss_equal else _rel(a.loss, b.loss, max(abs(a.loss), abs(b.loss)))
     if a.nonfinite != b.nonfinite:
         loss_rel = math.inf
-    equal, rel = [loss_equal], [loss_rel]
-    if len(a.stats) != len(b.stats):  # not the same model: every kind differs
-        n = max(len(a.stats), len(b.stats))
-        return Comparison((loss_equal, *(False,) * 2 * n), (loss_rel, *(math.inf,) * 2 * n))
-    for fa, fb, (s1, q1), (s2, q2) in zip(
-        a.fingerprints, b.fingerprints, a.stats, b.stats, strict=True
-    ):
-        same = fa == fb
-        # The sum is compared on the scale the sum of squares gives it (Cauchy-Schwarz
-        # bounds |sum| by sqrt(n * sumsq)); n is not needed to compare two of them.
-        norm = math.sqrt(max(q1, q2, 0.0))
-        equal += [same, same]
-        rel += [0.0, 0.0] if same else [_rel(q1, q2, max(q1, q2)), _rel(s1, s2, norm)]
-    return Comparison(tuple(equal), tuple(rel))
+    grads_equal = a.fingerprints == b.fingerprints
+    grad_rel = 0.0
+    if not grads_equal:
+        if len(a.stats) != len(b.stats):
+            grad_rel = math.inf
+        for (s1, q1), (s2, q2) in zip(a.stats, b.stats, strict=False):
+            # The sum is compared on the scale the sum of squares gives it (Cauchy-Schwarz
+            # bounds |sum| by sqrt(n * sumsq)); n is not needed to compare two of them.
+            norm = math.sqrt(max(q1, q2, 0.0))
+            grad_rel = max(grad_rel, _rel(q1, q2, max(q1, q2)), _rel(s1, s2, norm))
+    return Comparison(loss_equal, grads_equal, loss_rel, grad_rel)
 
 
 @dataclass(slots=True)
 class NoiseModel:
-    """Tolerances learned from the job's own audits, per kind (see the module docstring)."""
+    """Tolerances learned from the job's own audits (see the module docstring)."""
 
     cap: float
-    """The loss's cap in force (see :data:`NOISE_CAPS`); the audit sets it, with
-    :attr:`caps`, per audit from the dtype the computation ran in."""
-    caps: tuple[float, ...] = ()
-    """Per kind (:func:`kind_caps`); kinds beyond it take :attr:`cap`."""
-    names: tuple[str, ...] = ()
-    """The gradient tensors' names, for messages."""
-    dtype: str = "float32"
-    """The dtype the caps are for, for messages."""
-    headroom: float = HEADROOM
-    """:data:`HEADROOM`, or :data:`HEADROOM_16BIT` for the 16-bit formats."""
-    job: dict[int, float] = field(default_factory=dict)
-    """Tolerance per kind for the whole job."""
-    per_rank: dict[int, dict[int, float]] = field(default_factory=dict)
-    """Tolerance per rank, per kind."""
-    unusable: dict[int, str] = field(default_factory=dict)
-    """Kinds set aside, and why: their noise went beyond their cap."""
-    kinds: int = 0
-    """Kinds compared (0: not known yet)."""
+    """The dtype cap in force (see :data:`NOISE_CAPS`); the audit sets it per audit from
+    the dtype the computation ran in."""
+    per_rank: dict[int, float] = field(default_factory=dict)
+    """Gradient tolerance per rank."""
+    job: float = 0.0
+    """Gradient tolerance for the whole job."""
+    loss_per_rank: dict[int, float] = field(default_factory=dict)
+    loss_job: float = 0.0
     audits: int = 0
     """Audits recorded so far; the first one sets the baseline."""
     observed: int = 0
     """Comparisons that had any bitwise difference."""
     compared: int = 0
 
-    def cap_of(self, kind: int) -> float:
-        return self.caps[kind] if kind < len(self.caps) else self.cap
-
     def tolerance(self, ranks: Iterable[int]) -> Tolerance:
         """The tolerances in force for a comparison between ``ranks``."""
         ranks = list(ranks)
-        n = max(
-            self.kinds,
-            1 + max([*self.job, *(k for r in self.per_rank.values() for k in r)], default=0),
+        return Tolerance(
+            loss=max([self.loss_job, *(self.loss_per_rank.get(r, 0.0) for r in ranks)]),
+            gradients=max([self.job, *(self.per_rank.get(r, 0.0) for r in ranks)]),
         )
-        values = tuple(
-            max([self.job.get(k, 0.0), *(self.per_rank.get(r, {}).get(k, 0.0) for r in ranks)])
-            for k in range(n)
-        )
-        return Tolerance(values, frozenset(self.unusable))
-
-    def _largest(self, gradients: bool) -> float:
-        kinds = {*self.job, *(k for r in self.per_rank.values() for k in r)} - set(self.unusable)
-        kinds = {k for k in kinds if (k != LOSS) == gradients}
-        every = [self.job.get(k, 0.0) for k in kinds]
-        every += [r.get(k, 0.0) for r in self.per_rank.values() for k in kinds]
-        return max([0.0, *every])
 
     @property
     def largest(self) -> float:
-        """The largest gradient tolerance in force anywhere, among the kinds still
-        compared (0: bit-reproducible so far)."""
-        return self._largest(True)
+        """The largest gradient tolerance in force anywhere (0: bit-reproducible so far)."""
+        return max([self.job, *self.per_rank.values()])
 
     @property
     def largest_loss(self) -> float:
         """The largest loss tolerance in force anywhere (0: the loss is compared bit for
         bit everywhere)."""
-        return self._largest(False)
-
-    def thresholds(self) -> dict[str, float | None]:
-        """The detection threshold in force per kind of evidence, for reports: the
-        largest tolerance of the loss and of the gradients still compared; ``None``
-        where that kind is set aside (it verifies nothing)."""
-        grads = list(range(1, self.kinds))
-        return {
-            "loss": None if LOSS in self.unusable else self.largest_loss,
-            "gradients": None if grads and all(k in self.unusable for k in grads) else self.largest,
-        }
-
-    @property
-    def blind(self) -> bool:
-        """The loss, or every kind, is set aside: the audit can verify nothing (a forward
-        pass that does not reproduce beyond rounding makes every gradient from it
-        differ for the same reason)."""
-        return LOSS in self.unusable or (self.kinds > 0 and len(self.unusable) >= self.kinds)
+        return max([self.loss_job, *self.loss_per_rank.values()])
 
     @property
     def bit_reproducible(self) -> bool | None:
@@ -387,122 +236,88 @@ class NoiseModel:
             self.compared += 1
             self.observed += not c.bitwise_equal
 
-    def within_cap(self, c: Comparison, kinds: Iterable[int] | None = None) -> bool:
-        """Whether ``c`` differs in ``kinds`` (default: all) by no more than noise can."""
-        kinds = range(len(c.rel)) if kinds is None else kinds
-        return all(c.rel[k] <= self.cap_of(k) for k in kinds)
+    def within_cap(self, c: Comparison) -> bool:
+        """Whether ``c`` differs by no more than noise can (each part within the cap)."""
+        return c.loss_rel <= self.cap and c.grad_rel <= self.cap
 
-    def _set(self, where: dict[int, float], kind: int, value: float) -> None:
-        where[kind] = max(where.get(kind, 0.0), value)
-
-    def learn_rank(self, rank: int, c: Comparison, kinds: Iterable[int] | None = None) -> bool:
-        """Take ``c``'s differences in ``kinds`` (default: every kind that differs) for
-        noise of ``rank``'s process; false if any is above its cap (nothing is learned)."""
-        kinds = _differ(c, kinds)
-        if not self.within_cap(c, kinds):
+    def learn_rank(self, rank: int, c: Comparison) -> bool:
+        """Take ``c``'s differences for noise of ``rank``'s process; false above the cap
+        (nothing is learned then)."""
+        if not self.within_cap(c):
             return False
-        for k in kinds:
-            self._set(self.per_rank.setdefault(rank, {}), k, self._headroom(k, c.rel[k]))
+        if not c.grads_equal:
+            self.per_rank[rank] = max(self.per_rank.get(rank, 0.0), self._headroom(c.grad_rel))
+        if not c.loss_equal:
+            old = self.loss_per_rank.get(rank, 0.0)
+            self.loss_per_rank[rank] = max(old, self._headroom(c.loss_rel))
         return True
 
-    def excuse(self, rank: int) -> None:
-        """From now on, differences up to the cap in every kind are noise for ``rank``: a
-        rounding-level difference the recheck could not separate from a kernel choice,
-        reported once and never again, in whichever kind it shows next (a repeat rule
-        would turn it into a quarantine)."""
-        self.per_rank[rank] = {k: self.cap_of(k) for k in range(max(self.kinds, 1))}
+    def excuse(self, rank: int, c: Comparison) -> None:
+        """From now on, differences up to the cap in the parts where ``c`` differs are
+        noise for ``rank``: a rounding-level difference the recheck could not separate
+        from a kernel choice, reported once and never again (which a repeat rule would
+        turn into a quarantine)."""
+        if not c.grads_equal:
+            self.per_rank[rank] = self.cap
+        if not c.loss_equal:
+            self.loss_per_rank[rank] = self.cap
 
-    def learn_job(
-        self, comparisons: Iterable[Comparison], kinds: Iterable[int] | None = None
-    ) -> bool:
-        """Take the differences of ``comparisons`` in ``kinds`` (default: all that
-        differ) for noise of the whole job; false if any is above its cap (nothing is
-        learned then)."""
-        pairs = [(c, _differ(c, kinds)) for c in comparisons]
-        if not all(self.within_cap(c, ks) for c, ks in pairs):
+    def learn_job(self, comparisons: Iterable[Comparison]) -> bool:
+        """Take the differences of ``comparisons`` for noise of the whole job; false if
+        any is above the cap (nothing is learned then)."""
+        comparisons = list(comparisons)
+        if not all(self.within_cap(c) for c in comparisons):
             return False
-        for c, ks in pairs:
-            for k in ks:
-                self._set(self.job, k, self._headroom(k, c.rel[k]))
+        for c in comparisons:
+            if not c.grads_equal:
+                self.job = max(self.job, self._headroom(c.grad_rel))
+            if not c.loss_equal:
+                self.loss_job = max(self.loss_job, self._headroom(c.loss_rel))
         return True
 
-    def new_evidence(
-        self, c: Comparison, ranks: Iterable[int], kinds: Iterable[int] | None = None
-    ) -> bool:
-        """Whether ``c`` differs in a kind (of ``kinds``) that has been bit for bit so far
-        for ``ranks``: evidence of a new kind, not known noise reaching further."""
+    def new_evidence(self, c: Comparison, ranks: Iterable[int]) -> bool:
+        """Whether ``c`` differs in a part (loss or gradients) that has been bit for bit
+        so far for ``ranks``: evidence of a new kind, not known noise reaching further."""
         t = self.tolerance(ranks)
-        return any(t.of(k) <= 0 for k in _differ(c, kinds) if k not in t.skip)
+        return (not c.loss_equal and t.loss <= 0) or (not c.grads_equal and t.gradients <= 0)
 
-    def widen(
-        self, ranks: Sequence[int], c: Comparison, kinds: Iterable[int] | None = None
-    ) -> bool:
+    def widen(self, ranks: Sequence[int], c: Comparison) -> bool:
         """Known noise reached further than seen so far (``c``, between ``ranks``, is
-        within the cap in ``kinds``): raise the tolerances it was learned in (the job's,
-        or the ranks'), false above the cap."""
-        kinds = _differ(c, kinds)
-        if not self.within_cap(c, kinds):
+        within the cap): raise the tolerances it was learned in (the job's, or the
+        ranks'), false above the cap."""
+        if not self.within_cap(c):
             return False
-        for k in kinds:
-            value = self._headroom(k, c.rel[k])
-            if self.job.get(k, 0.0) > 0:
-                self._set(self.job, k, value)
+        parts = [
+            (not c.grads_equal, c.grad_rel, "job", self.per_rank),
+            (not c.loss_equal, c.loss_rel, "loss_job", self.loss_per_rank),
+        ]
+        for differs, rel, job, per_rank in parts:
+            if not differs:
+                continue
+            if getattr(self, job) > 0:
+                setattr(self, job, max(getattr(self, job), self._headroom(rel)))
                 continue
             for r in ranks:
-                if self.per_rank.get(r, {}).get(k, 0.0) > 0:
-                    self._set(self.per_rank[r], k, value)
+                if per_rank.get(r, 0.0) > 0:
+                    per_rank[r] = max(per_rank[r], self._headroom(rel))
         return True
 
-    def set_aside(self, kinds: Iterable[int], measured: Mapping[int, float]) -> str:
-        """Stop comparing ``kinds``: their noise (``measured``, relative) went beyond their
-        cap. Returns what was set aside and why, for the report."""
-        parts = []
-        for k in sorted(set(kinds)):
-            why = (
-                f"{kind_name(k, self.names)}: differences up to {measured.get(k, math.inf):.3g} "
-                f"against a cap of {self.cap_of(k):.3g} for {self.dtype}"
-            )
-            self.unusable.setdefault(k, why)
-            parts.append(why)
-        return "; ".join(parts)
-
-    def _headroom(self, kind: int, magnitude: float) -> float:
+    def _headroom(self, magnitude: float) -> float:
         # A bitwise difference that moved no statistic still needs a tolerance above 0,
         # or it would be evidence every time.
-        return min(self.cap_of(kind), max(self.headroom * magnitude, _TINY))
+        return min(self.cap, max(HEADROOM * magnitude, _TINY))
 
     def describe(self) -> str:
-        if self.largest == 0 and self.largest_loss == 0 and not self.unusable:
+        if self.largest == 0 and self.largest_loss == 0:
             if self.bit_reproducible is None:
                 return "not measured yet"
             return "bit-reproducible so far: any difference is evidence"
-        grads = (
-            range(1, self.kinds)
-            if self.kinds
-            else sorted({*self.job, *(k for r in self.per_rank.values() for k in r)} - {LOSS})
+        return "; ".join(
+            [
+                _describe("gradients", self.job, self.per_rank),
+                _describe("loss", self.loss_job, self.loss_per_rank),
+            ]
         )
-        parts = [
-            _describe("gradients", self._kinds_job(grads), self._kinds_ranks(grads)),
-            _describe("loss", self.job.get(LOSS, 0.0), self._kinds_ranks([LOSS])),
-        ]
-        if self.unusable:
-            parts.append(
-                f"{len(self.unusable)} kind(s) of evidence set aside, too noisy to verify "
-                "anything: " + "; ".join(self.unusable[k] for k in sorted(self.unusable))
-            )
-        return "; ".join(parts)
-
-    def _kinds_job(self, kinds: Iterable[int]) -> float:
-        return max([0.0, *(self.job.get(k, 0.0) for k in kinds if k not in self.unusable)])
-
-    def _kinds_ranks(self, kinds: Iterable[int]) -> dict[int, float]:
-        kinds = [k for k in kinds if k not in self.unusable]
-        return {r: max([0.0, *(t.get(k, 0.0) for k in kinds)]) for r, t in self.per_rank.items()}
-
-
-def _differ(c: Comparison, kinds: Iterable[int] | None) -> list[int]:
-    kinds = range(len(c.equal)) if kinds is None else kinds
-    return [k for k in kinds if not c.equal[k]]
 
 
 def _describe(what: str, job: float, per_rank: Mapping[int, float]) -> str:

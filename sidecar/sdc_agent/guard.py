@@ -322,16 +322,6 @@ class Guard:
         return None if noise.bit_reproducible is None else noise.largest
 
     @property
-    def replay_thresholds(self) -> dict[str, float | None] | None:
-        """The replay audit's detection threshold in force per kind of evidence: ``loss``
-        and ``gradients`` (the largest over the gradient statistics still compared),
-        each as :attr:`gradient_tolerance`; ``None`` for a kind set aside, too noisy to
-        verify anything (the agent log says which statistic and why). ``None``: no audit
-        yet."""
-        noise = self._audit.noise
-        return None if noise.bit_reproducible is None else noise.thresholds()
-
-    @property
     def bit_reproducible(self) -> bool | None:
         """Whether every replay so far matched its original bit for bit (``None``: no
         audit yet)."""
@@ -350,9 +340,7 @@ class Guard:
 
         With ``micro_batches`` (gradient accumulation) every micro-batch's loss is divided
         by their number before backward, gradients are all-reduced once, after the last,
-        and the replay audit checks one micro-batch per audit, each index once in every
-        ``len(micro_batches)`` audits (:func:`~sdc_agent.audit.audited_micro_batch`).
-        ``result.loss`` is then the mean.
+        and the replay audit checks the first micro-batch. ``result.loss`` is then the mean.
         """
         if self.loss_fn is None:
             raise ConfigError("loss_fn: Guard.step needs one; pass loss_fn(model, batch)")
@@ -372,7 +360,7 @@ class Guard:
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
             audited = micro
-            if j == self._audit.audited and self._audit.due:  # before its forward changes it
+            if j == 0 and self._audit.due:  # before the forward, which may change it
                 audited = map_tensors(micro, lambda t: t.detach().clone())
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.loss_fn(self.model, micro)
@@ -628,17 +616,13 @@ class Guard:
     def _log_tolerance(self) -> None:
         if self.gradient_tolerance is None:
             return
-        thresholds = ", ".join(
-            f"{kind} {'set aside' if t is None else f'{t:.3g}'}"
-            for kind, t in (self.replay_thresholds or {}).items()
-        )
-        now = f"{thresholds} ({self._audit.noise.describe()})"
+        now = self._audit.noise.describe()  # the loss's threshold and the gradients'
         if now == self._tolerance_logged:
             return
         self._tolerance_logged = now
         log.log(
             logging.INFO if self.group_rank == 0 else logging.DEBUG,
-            "sdc_agent: replay audit threshold per kind of evidence: %s",
+            "sdc_agent: replay audit threshold: %s",
             now,
         )
 
@@ -886,7 +870,6 @@ class Guard:
                     gradient_tolerance=self.gradient_tolerance,
                     bit_reproducible=self.bit_reproducible,
                     run_id=self.run_id,
-                    thresholds=self.replay_thresholds,
                 )
             )
             self._heartbeat_at = tick

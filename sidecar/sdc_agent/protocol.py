@@ -33,7 +33,6 @@ __all__ = [
     "CHECKS",
     "CLASSIFICATIONS",
     "MAX_REPORT_BYTES",
-    "REPLAY_EVIDENCE_KINDS",
     "PROTOCOL_VERSION",
     "CheckpointReport",
     "HeartbeatReport",
@@ -54,9 +53,6 @@ CLASSIFICATIONS = ("rank", "collective", "training", "replica", "nondeterministi
 KINDS = ("verdict", "heartbeat", "checkpoint", "resume")
 FINGERPRINT_KERNELS = ("compiled", "eager")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-REPLAY_EVIDENCE_KINDS: tuple[str, ...] = ("loss", "gradients")
-"""The kinds of evidence a heartbeat's ``thresholds`` reports (receivers ignore others)."""
-
 MAX_MESSAGE = 4096
 _MAX_TEXT = MAX_MESSAGE
 _MAX_NAME = 253  # a Kubernetes object name
@@ -139,11 +135,6 @@ class HeartbeatReport:
     """Whether the audit has found the job bit-reproducible across processes."""
     run_id: str | None = None
     """As in a verdict."""
-    thresholds: dict[str, float | None] | None = None
-    """The replay audit's detection threshold in force per kind of evidence (``loss``,
-    ``gradients``; a receiver ignores kinds it does not know): as
-    ``gradient_tolerance``, and null where that kind is set aside, too noisy to verify
-    anything. Absent: not measured yet (or an agent before this field)."""
     kind: str = "heartbeat"
     version: int = PROTOCOL_VERSION
 
@@ -304,7 +295,6 @@ _FIELDS = {
             "gradient_tolerance",
             "bit_reproducible",
             "run_id",
-            "thresholds",
         },
     ),
     "checkpoint": ({"step", "location", "verified"}, set()),
@@ -379,7 +369,6 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
             gradient_tolerance=_opt_num(d.get("gradient_tolerance"), "gradient_tolerance"),
             bit_reproducible=_bool(d.get("bit_reproducible"), "bit_reproducible", nullable=True),
             run_id=_run_id(d.get("run_id")),
-            thresholds=_thresholds(d.get("thresholds")),
         )
     if kind == "resume":
         return ResumeReport(
@@ -422,29 +411,6 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         run_id=_run_id(d.get("run_id")),
         bundle=_str(d.get("bundle"), "bundle", limit=_MAX_TEXT, nullable=True),
     )
-
-
-_MAX_KINDS = 16
-_MAX_KIND = 64
-
-
-def _thresholds(value: Any) -> dict[str, float | None] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ProtocolError("thresholds", f"must be an object, got {_kind(value)}")
-    _no_duplicates(value, "thresholds")
-    if len(value) > _MAX_KINDS:
-        raise ProtocolError("thresholds", f"has more than {_MAX_KINDS} kinds")
-    out: dict[str, float | None] = {}
-    for key, v in value.items():
-        if not isinstance(key, str) or not 0 < len(key) <= _MAX_KIND:
-            raise ProtocolError("thresholds", f"has a kind that is not a short name: {key!r}")
-        number = _opt_num(v, f"thresholds.{key}")
-        if number is not None and number < 0:
-            raise ProtocolError(f"thresholds.{key}", f"must not be negative, got {number}")
-        out[key] = number
-    return out
 
 
 def _opt_num(value: Any, path: str) -> float | None:
@@ -533,7 +499,6 @@ _OMITTED_WHEN_NULL = (
     "fingerprint_kernel",
     "gradient_tolerance",
     "bit_reproducible",
-    "thresholds",
 )
 
 
@@ -650,12 +615,6 @@ def report_schema() -> dict[str, Any]:
                     "gradient_tolerance": {"type": ["number", "null"], "minimum": 0},
                     "bit_reproducible": {"type": ["boolean", "null"]},
                     "run_id": run_id,
-                    "thresholds": {
-                        "type": ["object", "null"],
-                        "maxProperties": _MAX_KINDS,
-                        "propertyNames": {"minLength": 1, "maxLength": _MAX_KIND},
-                        "additionalProperties": {"type": ["number", "null"], "minimum": 0},
-                    },
                 },
             ),
             kind(

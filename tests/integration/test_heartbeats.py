@@ -34,9 +34,6 @@ def beat(job: Job, i: int, step: int) -> bytes:
             fingerprint_kernel="eager",
             gradient_tolerance=1e-4,
             bit_reproducible=False,
-            # One node set the gradients aside; a kind this operator does not know is
-            # ignored.
-            thresholds={"loss": 2e-5, "gradients": None if i == 1 else 1e-4, "newer": 1.0},
         )
     )
 
@@ -71,13 +68,10 @@ def test_heartbeats_cost_no_api_call_become_metrics_and_silence_is_told(
         sample("hyperpod_sdc_fingerprint_kernel_nodes", "3.0", kernel="eager"),
         sample("hyperpod_sdc_gradient_tolerance", "0.0001"),
         sample("hyperpod_sdc_bit_reproducible", "0.0"),
-        sample("hyperpod_sdc_replay_threshold", "2e-05", kind="loss"),
-        sample("hyperpod_sdc_replay_threshold", "+Inf", kind="gradients"),
         sample("hyperpod_sdc_reporting_nodes", "3.0"),
     ]
     metrics = op.metrics()
     assert [w for w in wanted if w not in metrics] == []
-    assert 'kind="newer"' not in metrics
     # the agents go quiet
     wait_for(
         "the silence event",
