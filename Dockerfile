@@ -12,6 +12,7 @@ WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
 COPY sidecar ./sidecar
 COPY operator ./operator
+COPY common ./common
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt \
         "$(ls /wheels/hyperpod_sdc-*.whl)[operator]"
@@ -21,7 +22,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels "hyperpod-sdc[operator]" \
  && rm -rf /wheels \
- && python -c "import sdc_operator.handlers, sys; assert 'torch' not in sys.modules"
+ && python -c "import sdc_operator.handlers, sys; assert 'torch' not in sys.modules and 'sdc_agent' not in sys.modules"
 USER 65532:65532
 EXPOSE 8443
 ENTRYPOINT ["python", "-m", "sdc_operator"]

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from sdc_common.names import CONFIRM_EXIT_CODES
+
 from .jobshape import GPU_RESOURCES
 from .names import GROUP, INCIDENT_KIND, SUSPECT_KEY, VERSION
 
@@ -63,9 +65,8 @@ INCIDENT_LABEL = f"{GROUP}/incident"
 """On a confirmation pod: the name of its incident (in the pod's namespace)."""
 CONTAINER = "confirm"
 OUTCOMES = ("confirmed", "not-confirmed", "unknown")
-EXIT_OUTCOMES = {0: "not-confirmed", 3: "confirmed", 4: "unknown"}
-"""``sdc_agent.confirm``'s exit codes (its ``EXIT_CODES``, which the operator cannot import:
-it pulls in torch)."""
+EXIT_OUTCOMES = {code: outcome for outcome, code in CONFIRM_EXIT_CODES.items()}
+"""``sdc_agent.confirm``'s exit codes (``sdc_common.names.CONFIRM_EXIT_CODES``), by code."""
 TERMINATION_LOG = "/dev/termination-log"
 BUNDLE_WAIT_SECONDS = 300
 """``--wait``: the agent names the bundle in the verdict and writes it in the background

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sdc_agent.protocol import CheckpointReport, ResumeReport, VerdictReport
+from sdc_common.protocol import CheckpointReport, ResumeReport, VerdictReport
 
 from . import confirmation, incidents, jobs
 from .actions import UNKNOWN, Actions, Outcome

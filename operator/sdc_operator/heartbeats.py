@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdc_agent.protocol import HeartbeatReport
+from sdc_common.protocol import HeartbeatReport
 
 from .incidents import JobRef
 from .metrics import Metrics

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sdc_agent.protocol import VerdictReport
+from sdc_common.protocol import VerdictReport
 
 from . import confirmation
 from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import copy
 import json
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV, TOKEN_FILE_ENV
 
 from .attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from .names import GROUP
@@ -58,11 +61,6 @@ __all__ = [
     "wire_pod",
 ]
 
-# The agent's names (sdc_agent.reporter, sdc_agent.config); the operator never imports
-# the agent beyond its protocol, so they are repeated here and a unit test compares them.
-OPERATOR_URL_ENV = "HYPERPOD_SDC_OPERATOR_URL"
-TOKEN_FILE_ENV = "HYPERPOD_SDC_TOKEN_FILE"
-CA_BUNDLE_ENV = "HYPERPOD_SDC_CA_BUNDLE"
 
 INJECTION_ANNOTATION = f"{GROUP}/injection"
 """On an injected pod: JSON ``{"added": [...], "kept": [...]}`` of ``<container>/env/<NAME>``,
@@ -72,8 +70,8 @@ INJECT_LABEL = f"{GROUP}/inject"
 operator's own labels are not known (the default selector for HyperPodPyTorchJob pods)."""
 
 TOKEN_VOLUME = "hyperpod-sdc-token"
-TOKEN_DIR = "/var/run/secrets/hyperpod-sdc"
-TOKEN_PATH = "token"
+TOKEN_DIR, TOKEN_PATH = posixpath.split(DEFAULT_TOKEN_FILE)
+"""Where the agent looks for its token without being told (``sdc_common.names``)."""
 CA_VOLUME = "hyperpod-sdc-ca"
 CA_CONFIGMAP = "hyperpod-sdc-ca"
 CA_DIR = "/etc/hyperpod-sdc/ca"

@@ -36,8 +36,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sdc_agent.errors import ProtocolError
-from sdc_agent.protocol import (
+from sdc_common.errors import ProtocolError
+from sdc_common.protocol import (
     CheckpointReport,
     HeartbeatReport,
     ResumeReport,

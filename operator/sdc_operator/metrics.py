@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sdc_agent.protocol import CHECKS, CLASSIFICATIONS
+from sdc_common.protocol import CHECKS, CLASSIFICATIONS
 
 __all__ = ["LEADER_OWNED", "Metrics"]
 

@@ -1,32 +1,48 @@
-"""The names users see (DESIGN.md), in one place."""
+"""The names users see (DESIGN.md), in one place: :mod:`sdc_common.names`, which the agent
+shares; re-exported here so the operator's modules import them from their own package."""
 
 from __future__ import annotations
 
-GROUP = "hyperpod-sdc.dev"
-VERSION = "v1alpha1"
-INCIDENT_KIND = "SDCIncident"
-INCIDENT_PLURAL = "sdcincidents"
-POLICY_KIND = "SDCPolicy"
-POLICY_PLURAL = "sdcpolicies"
-FIELD_MANAGER = "hyperpod-sdc"
-"""The field manager of the operator's writes (``metadata.managedFields``)."""
+from sdc_common.names import (
+    ACTION_ANNOTATION,
+    ACTIONS,
+    AUTO_RESUME_ANNOTATION,
+    CHECKPOINTS_ANNOTATION,
+    ENABLED_ANNOTATION,
+    FIELD_MANAGER,
+    GROUP,
+    HYPERPOD_AUTO_RESUME_ANNOTATION,
+    HYPERPOD_CLUSTER_LABEL,
+    HYPERPOD_HEALTH_LABEL,
+    INCIDENT_ANNOTATION,
+    INCIDENT_KIND,
+    INCIDENT_PLURAL,
+    POLICY_KIND,
+    POLICY_PLURAL,
+    PRIOR_CORDON_ANNOTATION,
+    RESUME_MAX_STEP_ENV,
+    SUSPECT_KEY,
+    VERSION,
+)
 
-ENABLED_ANNOTATION = f"{GROUP}/enabled"
-SUSPECT_KEY = f"{GROUP}/suspect"
-"""Taint key (``true:NoSchedule``) and label of a quarantined node."""
-INCIDENT_ANNOTATION = f"{GROUP}/incident"
-"""On a quarantined node: ``<namespace>/<incident name>``."""
-PRIOR_CORDON_ANNOTATION = f"{GROUP}/was-cordoned"
-"""On a quarantined node that was cordoned before: a release leaves it cordoned."""
-ACTION_ANNOTATION = f"{GROUP}/action"
-"""On an incident: ``reboot``, ``replace`` or ``release``, set by the person who reviewed it."""
-ACTIONS = ("reboot", "replace", "release")
-RESUME_MAX_STEP_ENV = "HYPERPOD_SDC_RESUME_MAX_STEP"
-AUTO_RESUME_ANNOTATION = f"{GROUP}/auto-resume"
-"""On a job: ``"false"`` keeps the operator from restarting it after an incident."""
-CHECKPOINTS_ANNOTATION = f"{GROUP}/checkpoints"
-"""On a job: the verified checkpoints its agents reported (JSON), written by the operator."""
-HYPERPOD_AUTO_RESUME_ANNOTATION = "sagemaker.amazonaws.com/enable-job-auto-resume"
-
-HYPERPOD_CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
-HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+__all__ = [
+    "ACTIONS",
+    "ACTION_ANNOTATION",
+    "AUTO_RESUME_ANNOTATION",
+    "CHECKPOINTS_ANNOTATION",
+    "ENABLED_ANNOTATION",
+    "FIELD_MANAGER",
+    "GROUP",
+    "HYPERPOD_AUTO_RESUME_ANNOTATION",
+    "HYPERPOD_CLUSTER_LABEL",
+    "HYPERPOD_HEALTH_LABEL",
+    "INCIDENT_ANNOTATION",
+    "INCIDENT_KIND",
+    "INCIDENT_PLURAL",
+    "POLICY_KIND",
+    "POLICY_PLURAL",
+    "PRIOR_CORDON_ANNOTATION",
+    "RESUME_MAX_STEP_ENV",
+    "SUSPECT_KEY",
+    "VERSION",
+]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sdc_agent.protocol import MAX_REPORT_BYTES
+from sdc_common.protocol import MAX_REPORT_BYTES
 
 from .errors import ConfigError
 

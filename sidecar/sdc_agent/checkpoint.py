@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdc_common.names import RESUME_MAX_STEP_ENV
+
 from .errors import CheckpointNotFoundError, ConfigError
 from .protocol import CheckpointReport, ReporterIdentity
 
@@ -33,7 +35,6 @@ __all__ = [
     "select_checkpoint",
 ]
 
-RESUME_MAX_STEP_ENV = "HYPERPOD_SDC_RESUME_MAX_STEP"
 MARKER_SUFFIX = ".sdc.json"
 """``<checkpoint>.sdc.json`` beside a checkpoint file or directory: ``{"step", "verified"}``."""
 

@@ -12,6 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sdc_common.names import (
+    CA_BUNDLE_ENV,
+    ENV_PREFIX,
+    OPERATOR_URL_ENV,
+    RESUME_MAX_STEP_ENV,
+    TOKEN_FILE_ENV,
+)
+
 from ._validate import require_bool, require_choice, require_int, require_number
 from .bundle import BundleSettings
 from .errors import ConfigError
@@ -20,7 +28,6 @@ from .fingerprint import FINGERPRINT_BACKENDS
 
 __all__ = ["AGREED_FIELDS", "ENV_PREFIX", "GuardConfig", "KNOWN_ENV"]
 
-ENV_PREFIX = "HYPERPOD_SDC_"
 NONFINITE_CHECK_ENV = "HYPERPOD_SDC_NONFINITE_CHECK"
 WEIGHTS_EVERY_ENV = "HYPERPOD_SDC_WEIGHTS_EVERY"
 WEIGHTS_OPTIMIZER_STATE_ENV = "HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE"
@@ -73,10 +80,10 @@ AGREED_FIELDS: tuple[str, ...] = (
 KNOWN_ENV: frozenset[str] = frozenset(
     {
         *_ENV_OF_FIELD.values(),
-        "HYPERPOD_SDC_RESUME_MAX_STEP",
-        "HYPERPOD_SDC_OPERATOR_URL",
-        "HYPERPOD_SDC_TOKEN_FILE",
-        "HYPERPOD_SDC_CA_BUNDLE",
+        RESUME_MAX_STEP_ENV,
+        OPERATOR_URL_ENV,
+        TOKEN_FILE_ENV,
+        CA_BUNDLE_ENV,
         # Evidence bundles (sdc_agent.bundle.BundleSettings)
         "HYPERPOD_SDC_BUNDLE_DIR",
         "HYPERPOD_SDC_BUNDLE_FACTORY",

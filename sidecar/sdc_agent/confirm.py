@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+from sdc_common.names import CONFIRM_EXIT_CODES
+
 from .bundle import (
     BUNDLE_FACTORY_ENV,
     GRADIENTS_OF,
@@ -103,8 +105,9 @@ CONFIRMATION_FORMAT = "hyperpod-sdc.dev/confirmation"
 CONFIRMATION_VERSION = 1
 OUTCOMES: tuple[str, ...] = ("confirmed", "not-confirmed", "unknown")
 GPU_RESULTS: tuple[str, ...] = ("reproduces", "does-not-reproduce", "could-not-run")
-EXIT_CODES: dict[str, int] = {"not-confirmed": 0, "confirmed": 3, "unknown": 4}
-"""Distinct per outcome; 1 and 2 stay Python's (a crash) and argparse's (bad usage)."""
+EXIT_CODES: dict[str, int] = CONFIRM_EXIT_CODES
+"""Distinct per outcome; 1 and 2 stay Python's (a crash) and argparse's (bad usage)
+(defined in ``sdc_common.names``, which the operator reads them from)."""
 TERMINATION_LOG_LIMIT = 4096
 """Bytes of a container's termination message that Kubernetes keeps."""
 DCGMI_LEVEL = 3

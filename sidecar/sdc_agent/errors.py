@@ -1,6 +1,9 @@
-"""Every exception the agent raises, under one base class."""
+"""Every exception the agent raises, under one base class (:class:`SDCError`, which it
+shares with the torch-free ``sdc_common``, where it and :class:`ProtocolError` live)."""
 
 from __future__ import annotations
+
+from sdc_common.errors import ProtocolError, SDCError
 
 __all__ = [
     "BundleError",
@@ -12,25 +15,12 @@ __all__ = [
 ]
 
 
-class SDCError(Exception):
-    """Base class of every error raised by ``sdc_agent``."""
-
-
 class ConfigError(SDCError, ValueError):
     """A setting, keyword argument or environment variable has a bad value.
 
     The message names the setting (and, for environment variables, the variable) so the
     user can fix it without reading the source.
     """
-
-
-class ProtocolError(SDCError, ValueError):
-    """A report does not follow the wire protocol. ``field`` is its dotted path."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
 
 
 class OperatorUnreachableError(SDCError):

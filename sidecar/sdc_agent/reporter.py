@@ -34,6 +34,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV, TOKEN_FILE_ENV
+
 from ._validate import require_int, require_number
 from .errors import ConfigError
 from .protocol import CheckpointReport, HeartbeatReport, Report, VerdictReport, encode_report
@@ -48,10 +50,6 @@ __all__ = [
 
 log = logging.getLogger("sdc_agent.reporter")
 
-OPERATOR_URL_ENV = "HYPERPOD_SDC_OPERATOR_URL"
-TOKEN_FILE_ENV = "HYPERPOD_SDC_TOKEN_FILE"
-CA_BUNDLE_ENV = "HYPERPOD_SDC_CA_BUNDLE"
-DEFAULT_TOKEN_FILE = "/var/run/secrets/hyperpod-sdc/token"
 REPORTS_PATH = "/v1/reports"
 
 

@@ -439,6 +439,8 @@ def test_dockerfile_is_multi_stage_non_root_and_torch_free() -> None:
         and "[agent]" not in text.split("FROM")[-1].split("USER")[0]
     )
     assert 'ENTRYPOINT ["python", "-m", "sdc_operator"]' in text
+    # the three source folders, the shared one included (the operator imports sdc_common)
+    assert all(f"COPY {d} ./{d}" in text for d in ("sidecar", "operator", "common"))
 
 
 @pytest.mark.slow  # a pip install into a fresh venv: 30 s to 100 s on 2 cores

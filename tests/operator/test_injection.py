@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sdc_common.names import DEFAULT_TOKEN_FILE
 from sdc_operator.attestation import (
     ATTESTATION_ANNOTATION,
     CREATED_BY_ANNOTATION,
@@ -24,7 +25,9 @@ from sdc_operator.injection import (
     CA_BUNDLE_ENV,
     INJECTION_ANNOTATION,
     OPERATOR_URL_ENV,
+    TOKEN_DIR,
     TOKEN_FILE_ENV,
+    TOKEN_PATH,
     Wiring,
     attest,
     json_patch,
@@ -113,15 +116,10 @@ def record(wired: dict[str, Any]) -> dict[str, list[str]]:
     return dict(json.loads(wired["metadata"]["annotations"][INJECTION_ANNOTATION]))
 
 
-def test_the_env_names_are_the_agents() -> None:
-    from sdc_agent import reporter
-
-    assert (OPERATOR_URL_ENV, TOKEN_FILE_ENV, CA_BUNDLE_ENV) == (
-        reporter.OPERATOR_URL_ENV,
-        reporter.TOKEN_FILE_ENV,
-        reporter.CA_BUNDLE_ENV,
-    )
-    assert reporter.DEFAULT_TOKEN_FILE == "/var/run/secrets/hyperpod-sdc/token"
+def test_the_token_is_mounted_where_the_agent_looks_without_being_told() -> None:
+    # The env names themselves are sdc_common's (tests/unit/test_common.py: none is copied).
+    assert f"{TOKEN_DIR}/{TOKEN_PATH}" == DEFAULT_TOKEN_FILE
+    assert DEFAULT_TOKEN_FILE == "/var/run/secrets/hyperpod-sdc/token"
 
 
 def test_an_opted_in_pod_gets_exactly_the_wiring() -> None:

@@ -207,7 +207,7 @@ def test_the_schema_agrees_with_the_parser() -> None:
 def test_the_published_schema_is_current() -> None:
     published = json.loads((ROOT / "docs" / "report.schema.json").read_text())
     assert published == report_schema(), (
-        "regenerate: python -m sdc_agent.protocol > docs/report.schema.json"
+        "regenerate: python -m sdc_common.protocol > docs/report.schema.json"
     )
 
 
