@@ -42,6 +42,9 @@ __all__ = ["Operator"]
 log = logging.getLogger(__name__)
 RETENTION_EVERY_SECONDS = 600.0
 MEMBERS_EVERY_SECONDS = 5.0
+OTHER_LISTENER_CONNECTIONS = 512
+"""Connections the admission and metrics listeners hold open at once, each (the API
+server and the probes open few; a flood of either cannot grow memory without bound)."""
 WATCH_POOL_SPARE = 8
 """Connections of the watch pool beyond one per watch (re-lists while a watch restarts)."""
 
@@ -186,10 +189,24 @@ class Operator:
             client_max_size=MAX_REVIEW_BYTES + 1, middlewares=[json_error_middleware()]
         )
         self.optin.add_routes(admission)
-        for name, app, port in (
-            ("intake", self.intake.app(), s.listen_port),
-            ("admission", admission, s.admission_port),
-            ("metrics", self.intake.monitoring_app(), s.metrics_port),
+        # The intake's connections are bounded globally and per address (the tenants');
+        # the API server (admission) and the probes (metrics) come from few addresses.
+        for name, app, port, most, per_source in (
+            (
+                "intake",
+                self.intake.app(),
+                s.listen_port,
+                s.max_connections,
+                s.connections_per_source,
+            ),
+            ("admission", admission, s.admission_port, OTHER_LISTENER_CONNECTIONS, None),
+            (
+                "metrics",
+                self.intake.monitoring_app(),
+                s.metrics_port,
+                OTHER_LISTENER_CONNECTIONS,
+                None,
+            ),
         ):
             runner = self.intake.runner(app)
             await runner.setup()
@@ -202,6 +219,8 @@ class Operator:
                 handshake_seconds=s.tls_handshake_timeout_seconds,
                 handshakes_per_source=s.handshakes_per_source,
                 name=name,
+                max_connections=most,
+                connections_per_source=per_source,
             )
             await site.start()
             log.info("%s listening on %s", name, site.name)

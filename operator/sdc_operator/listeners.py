@@ -9,11 +9,18 @@ metrics        ``/metrics``, ``/healthz``, ``/readyz``    monitoring, the kubele
 =============  =========================================  ==============================
 
 A path is served on its own listener only: the tenants' port answers 404 to the admission
-webhook and to ``/metrics`` (which names every opted-in job of every namespace). Each
-listener does its own TLS handshakes, so a client that opens connections and never
-finishes one is closed after ``tls_handshake_timeout_seconds``, and one address may have at
-most ``handshakes_per_source`` handshakes in progress on a listener (more are closed
-unanswered): no one source can hold the handshakes of everyone else.
+webhook and to ``/metrics`` (which names every opted-in job of every namespace).
+
+Each listener bounds what its connections may cost before it spends anything on them:
+
+- at most ``max_connections`` open at once, and ``connections_per_source`` from one client
+  address; a connection past either is reset as it is accepted, before its TLS handshake
+  (the agent retries after its back-off), so memory is bounded by the number of
+  connections, whoever opens them (docs/operator.md, "Memory");
+- its own TLS handshakes: one address may have at most ``handshakes_per_source`` in
+  progress, and a handshake not complete after ``handshake_seconds`` is closed;
+- a TLS read buffer of :data:`TLS_READ_BUFFER` bytes per connection, not asyncio's 256 KiB
+  (CPython 3.11 and 3.12 allocate and zero one such buffer for every TLS connection).
 """
 
 from __future__ import annotations
@@ -21,19 +28,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from asyncio import sslproto
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["GuardedSite"]
+__all__ = ["CONNECTION_BYTES", "TLS_READ_BUFFER", "GuardedSite"]
 
 log = logging.getLogger(__name__)
 
+TLS_READ_BUFFER = 16 * 1024 + 512
+"""Bytes read from a TLS socket at once: one TLS record (at most 16 KiB of plaintext and
+its overhead). asyncio's default, 256 KiB, made each open TLS connection cost about 0.3 MiB."""
+
+CONNECTION_BYTES = 96 * 1024
+"""What one open connection may cost the operator, TLS and HTTP state together, between
+requests: measured 55 KiB with CPython 3.11 and OpenSSL 3 (295 KiB with asyncio's own
+buffer); the memory bound in docs/operator.md counts this figure per connection."""
+
 
 class GuardedSite(web.BaseSite):
-    """A TCP site like :class:`aiohttp.web.TCPSite`, whose TLS handshakes are limited per
-    client address and in time. Without TLS it is a plain TCP site."""
+    """A TCP site like :class:`aiohttp.web.TCPSite` whose connections are counted and
+    limited, globally and per client address, as they are accepted; with TLS, its
+    handshakes are limited per address and in time. Without TLS it is a plain TCP site
+    with the same connection limits."""
 
     def __init__(
         self,
@@ -45,79 +64,105 @@ class GuardedSite(web.BaseSite):
         handshake_seconds: float,
         handshakes_per_source: int,
         name: str,
+        max_connections: int = 3072,
+        connections_per_source: int | None = None,
         backlog: int = 4096,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._tls = host, port, ssl_context
         self._handshake_seconds = handshake_seconds
-        self._per_source = handshakes_per_source
+        self._handshakes_per_source = handshakes_per_source
+        self.max_connections = max_connections
+        self.connections_per_source = connections_per_source
         self._label = name
         self.handshaking: Counter[str] = Counter()
         """Handshakes in progress, by client address."""
+        self.connected: Counter[str] = Counter()
+        """Open connections (handshaking or not), by client address."""
+        self.open = 0
+        """Open connections."""
+        self.peak = 0
+        """The most connections that were open at once."""
+        self._securing: set[_SSLProtocol] = set()
         self.refused = 0
-        """Connections closed because their address had too many handshakes in progress."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        """Connections reset as they were accepted: too many open, in all or from their
+        address, or too many handshakes in progress from their address."""
 
     @property
     def name(self) -> str:
         return f"{'https' if self._tls else 'http'}://{self._host}:{self._port} ({self._label})"
 
+    async def stop(self) -> None:
+        for pending in list(self._securing):  # handshakes no runner knows of yet
+            pending.abort_handshake()
+        await super().stop()
+
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        factory: Any = server if self._tls is None else (lambda: _Handshake(self))
         self._server = await loop.create_server(
-            factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+            lambda: _Accept(self), self._host, self._port, backlog=self._backlog, reuse_address=True
         )
-
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await super().stop()
 
     def _accept(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
-        if self.handshaking[source] >= self._per_source:
+        per_source = self.connections_per_source
+        if (
+            self.open >= self.max_connections
+            or (per_source is not None and self.connected[source] >= per_source)
+            or (self._tls is not None and self.handshaking[source] >= self._handshakes_per_source)
+        ):
             self.refused += 1
             transport.abort()
             return
-        transport.pause_reading()  # the TLS layer takes the connection over before reading
-        self.handshaking[source] += 1
-        task = asyncio.get_running_loop().create_task(self._handshake(transport, source))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _handshake(self, transport: asyncio.Transport, source: str) -> None:
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        self.connected[source] += 1
         server = self._runner.server
-        assert server is not None and self._tls is not None
-        protocol = server()
-        try:
-            secured = await asyncio.get_running_loop().start_tls(
-                transport,
-                protocol,
-                self._tls,
-                server_side=True,
-                ssl_handshake_timeout=self._handshake_seconds,
-            )
-        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError) as exc:
+        assert server is not None
+        app_protocol = server()
+        if self._tls is None:
+            counted = _Counted(self, source, app_protocol)
+            transport.set_protocol(counted)
+            app_protocol.connection_made(transport)
+            return
+        self.handshaking[source] += 1
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        waiter.add_done_callback(lambda f: self._handshake_done(source, f))
+        secured = _SSLProtocol(
+            self,
+            source,
+            loop,
+            app_protocol,
+            self._tls,
+            waiter,
+            server_side=True,
+            call_connection_made=True,
+            ssl_handshake_timeout=self._handshake_seconds,
+        )
+        self._securing.add(secured)
+        waiter.add_done_callback(lambda _: self._securing.discard(secured))
+        transport.set_protocol(secured)
+        secured.connection_made(transport)
+
+    def _handshake_done(self, source: str, waiter: asyncio.Future[Any]) -> None:
+        self.handshaking[source] -= 1
+        if self.handshaking[source] <= 0:
+            del self.handshaking[source]
+        if not waiter.cancelled() and (exc := waiter.exception()) is not None:
             log.debug("%s: a TLS handshake from %s failed: %s", self._label, source, exc)
-            transport.abort()
-            return
-        finally:
-            self.handshaking[source] -= 1
-            if self.handshaking[source] <= 0:
-                del self.handshaking[source]
-        if secured is None:  # the connection went away during the handshake
-            return
-        protocol.connection_made(secured)
+
+    def _closed(self, source: str) -> None:
+        self.open -= 1
+        self.connected[source] -= 1
+        if self.connected[source] <= 0:
+            del self.connected[source]
 
 
-class _Handshake(asyncio.Protocol):
-    """Holds a new connection until :class:`GuardedSite` has started its TLS handshake."""
+class _Accept(asyncio.Protocol):
+    """Holds a new connection until :class:`GuardedSite` has decided what to do with it."""
 
     def __init__(self, site: GuardedSite) -> None:
         self.site = site
@@ -125,3 +170,51 @@ class _Handshake(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.site._accept(transport)
+
+
+class _SSLProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS layer with a read buffer of :data:`TLS_READ_BUFFER` bytes, which tells
+    its site when the connection closes."""
+
+    max_size = TLS_READ_BUFFER
+
+    def __init__(self, site: GuardedSite, source: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._site, self._source = site, source
+
+    def abort_handshake(self) -> None:
+        transport: Any = self._transport
+        if transport is not None:
+            transport.abort()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        try:
+            super().connection_lost(exc)
+        finally:
+            self._site._closed(self._source)
+
+
+class _Counted(asyncio.Protocol):
+    """A plain connection's protocol, passed through, which tells its site when the
+    connection closes."""
+
+    def __init__(self, site: GuardedSite, source: str, inner: Any) -> None:
+        self._site, self._source, self._inner = site, source, inner
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self._site._closed(self._source)

@@ -48,6 +48,13 @@ class OperatorSettings:
     handshakes_per_source: int = 32
     """TLS handshakes one client address may have in progress at once, on each listener;
     more are closed unanswered."""
+    max_connections: int = 3072
+    """Connections the intake holds open at once (handshaking, reading or idle between
+    requests); past it a new one is reset as it is accepted, before its TLS handshake,
+    and the agent retries. Bounds the intake's memory (docs/operator.md, "Memory")."""
+    connections_per_source: int = 32
+    """Connections one client address may hold open at once on the intake; more are reset
+    as they are accepted. An agent holds one (or one per reporting rank of its pod)."""
     tls_cert_file: str | None = None
     """PEM certificate for HTTPS; with ``tls_key_file``. Unset: plain HTTP (only behind a
     mesh or for development: the Bearer tokens travel in the clear)."""
@@ -311,6 +318,8 @@ class OperatorSettings:
             "token_review_burst",
             "token_review_source_burst",
             "handshakes_per_source",
+            "max_connections",
+            "connections_per_source",
             "max_in_flight",
             "repeat_count",
             "repeat_window_steps",

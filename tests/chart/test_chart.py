@@ -178,6 +178,31 @@ def test_default_render_is_least_privilege_and_hardened() -> None:
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
 
 
+def test_the_generated_certificate_and_ca_are_ecdsa_p256() -> None:
+    """Before: genCA's RSA-2048, whose handshakes cost the operator more CPU under a
+    storm (docs/operator.md, "Memory and connections"); cert-manager's was ECDSA already."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    (secret,) = by_kind(render(), "Secret")
+    pem = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    key = load_pem_private_key(pem["tls.key"], None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
+    cert, ca = (
+        x509.load_pem_x509_certificate(pem["tls.crt"]),
+        x509.load_pem_x509_certificate(pem["ca.crt"]),
+    )
+    for public in (cert.public_key(), ca.public_key()):
+        assert isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name == "secp256r1"
+    cert.verify_directly_issued_by(ca)
+    assert "hyperpod-sdc.hyperpod-sdc.svc" in cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value.get_values_for_type(x509.DNSName)
+
+
 def test_confirmation_off_grants_no_pod_writes() -> None:
     (role,) = by_kind(render({"confirmation": {"enabled": False}}), "ClusterRole")
     pod_verbs = {v for r in role["rules"] if "pods" in r["resources"] for v in r["verbs"]}

@@ -157,3 +157,153 @@ class IdleClients:
         for sock in self.socks:
             sock.close()
         return sorted(self.closed)
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+class MemoryCgroup:
+    """A cgroup v1 memory group limiting one process, where the machine lets us make one;
+    ``None`` from :meth:`make` otherwise."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def make(cls, name: str) -> MemoryCgroup | None:
+        path = CGROUP_V1 / name
+        try:
+            path.mkdir()
+        except OSError:
+            return None
+        return cls(path)
+
+    def limit(self, pid: int, limit_bytes: int) -> None:
+        """Move ``pid`` in, limited to ``limit_bytes`` from now on: what it holds already
+        stays charged where it was (cgroup v1 moves no charges by default)."""
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def usage(self) -> int:
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def vm(pid: int, key: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (peak RSS) of ``pid``, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} for {pid}")
+
+
+async def open_tls(port: int, trust: ssl.SSLContext, sources: list[str]) -> tuple[list[Any], int]:
+    """A TLS connection from each of ``sources`` at once, each sending one request (no
+    token: answered 401, kept alive); the writers of those answered, and how many were
+    reset before or during their handshake."""
+    import asyncio
+
+    request = (
+        b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+
+    async def one(source: str) -> Any:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=trust, local_addr=(source, 0), ssl_handshake_timeout=30
+        )
+        writer.write(request)
+        status = await asyncio.wait_for(reader.readline(), 30)
+        assert status.startswith(b"HTTP/1.1 401"), status
+        return writer
+
+    results = await asyncio.gather(*(one(s) for s in sources), return_exceptions=True)
+    answered = [r for r in results if not isinstance(r, BaseException)]
+    reset = [r for r in results if isinstance(r, (ConnectionError, ssl.SSLError, OSError))]
+    others = [r for r in results if isinstance(r, BaseException) and r not in reset]
+    assert not others, others[:3]
+    return answered, len(reset)
+
+
+def test_memory_stays_within_the_bound_with_1024_tls_connections_at_once(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """1,024 TLS connections opened at once, each with a request answered and held open,
+    plus 64 past ``max_connections`` and 8 past one address's share: the operator's memory
+    grows by at most ``CONNECTION_BYTES`` per connection it holds (docs/operator.md,
+    "Memory"), under a memory cgroup of that size where the machine allows one, and the
+    connections past the limits are reset before their handshake. Before: 0.3 MiB per TLS
+    connection (asyncio's 256 KiB read buffer), and no limit on how many."""
+    import asyncio
+
+    from sdc_operator.listeners import CONNECTION_BYTES
+
+    ca = make_ca(tmp_path)
+    key, cert = issue(tmp_path, ca)
+    job = make_job(cluster, namespace)
+    held = 1024
+    op = start_operator(
+        scheme="https",
+        tls_cert_file=str(cert),
+        tls_key_file=str(key),
+        max_connections=str(held),
+        connections_per_source="4",
+        log_level="WARNING",
+    )
+    trust = ssl.create_default_context(cafile=str(ca[1]))
+    token = cluster.token(namespace, job.pods[0])
+    assert post_split(op.url, heartbeat(job), token, context=trust)[0] == 202  # warm
+    idle = vm(op.proc.pid, "VmRSS")
+    bound = idle + held * CONNECTION_BYTES
+    group = MemoryCgroup.make(f"hyperpod-sdc-test-{op.proc.pid}")
+    try:
+        if group is not None:
+            # what it grows by; the cgroup also charges page cache: 32 MiB of room
+            group.limit(op.proc.pid, held * CONNECTION_BYTES + 32 * 2**20)
+        # 1,020 addresses with one connection each, one with 4 + 8 too many, and 64 more
+        # addresses past max_connections (1,024)
+        many = [f"127.0.{2 + i // 250}.{1 + i % 250}" for i in range(held - 4 + 64)]
+        sources = many[: held - 4] + ["127.0.9.9"] * 12 + many[held - 4 :]
+
+        async def storm() -> tuple[int, int, int]:
+            writers, reset = await open_tls(op.port, trust, sources)
+            await asyncio.sleep(0.5)
+            peak = vm(op.proc.pid, "VmHWM")
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+            return len(writers), reset, peak
+
+        answered, reset, peak = asyncio.run(storm())
+        alive = op.proc.poll() is None
+        usage = group.usage() if group is not None else None
+    finally:
+        if group is not None:
+            (CGROUP_V1 / "cgroup.procs").write_text(str(op.proc.pid))  # back to the root
+            group.remove()
+    with capsys.disabled():
+        where = (
+            f"under a memory cgroup limiting its growth to "
+            f"{(held * CONNECTION_BYTES + 32 * 2**20) / 2**20:.0f} MiB (peak growth "
+            f"{usage / 2**20:.0f} MiB)"
+            if usage is not None
+            else "no memory cgroup on this machine: peak RSS from /proc checked instead"
+        )
+        print(
+            f"\n{answered} TLS connections held, {reset} reset: peak RSS "
+            f"{peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB "
+            f"(idle {idle / 2**20:.0f} MiB + {held} x {CONNECTION_BYTES // 1024} KiB); {where}"
+        )
+    assert alive, f"the operator died (OOM?):\n{op.log()[-3000:]}"
+    assert answered == held and reset == len(sources) - held, (answered, reset)
+    assert peak <= bound, f"peak RSS {peak / 2**20:.0f} MiB over the bound {bound / 2**20:.0f}"
+    # the connections closed, the intake serves again
+    assert post_split(op.url, heartbeat(job), token, context=trust)[0] == 202
+    assert_quiet(op)
