@@ -32,22 +32,38 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .bundle import GRADIENTS_OF, REFERENCE_VERSION, BundleSettings, BundleWriter, EvidenceSnapshot
+from .bundle import (
+    GRADIENTS_OF,
+    REFERENCE_VERSION,
+    BundleSettings,
+    BundleWriter,
+    EvidenceSnapshot,
+    Tolerance,
+    bundle_path,
+    take_snapshot,
+)
 from .evidence import Summary
 from .fingerprint import combine_fingerprints, format_fingerprint
+from .protocol import Suspect
 from .replay import Payload, Recheck, ReplayFinding, judge
-from .topology import all_gather_bytes
+from .topology import Topology, all_gather_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .audit import AuditOutcome, ReplayAudit
 
 __all__ = [
     "BundleSource",
     "EvidenceKeeper",
     "EvidenceWork",
     "choose_source",
+    "name_replay_bundle",
     "reference_from_summary",
     "suspect_result_of",
 ]
@@ -262,3 +278,72 @@ class EvidenceKeeper:
         """Finish a bundle still being written (up to ``timeout`` seconds)."""
         if self._writer is not None:
             self._writer.close(timeout)
+
+
+def name_replay_bundle(
+    keeper: EvidenceKeeper,
+    outcome: AuditOutcome,
+    *,
+    audit: ReplayAudit,
+    topology: Topology,
+    module: nn.Module,
+    step: int,
+    run_id: str,
+    loss_scale: Callable[[], float | None],
+) -> str | None:
+    """The evidence bundle of a localized, persistent replay verdict: named alike on every
+    rank, written by the one healthy rank that holds the micro-batch and its reference
+    (see the module docstring). A collective. ``module`` is the unwrapped model;
+    ``loss_scale`` gives the GradScaler's scale (read only where a bundle is taken)."""
+    source = outcome.source
+    assert source is not None
+    ranks = topology.ranks
+    s = ranks[source.suspect]
+    suspect = Suspect(
+        rank=s.rank, node=s.node, local_rank=s.local_rank, pod=s.pod, gpu_uuid=s.gpu_uuid
+    )
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    writer = ranks[source.writer]
+
+    def snapshot(work: EvidenceWork) -> EvidenceSnapshot:
+        # What the confirmation compares with: gradients within the learned noise; the
+        # loss bit for bit (a finding within the loss's own learned noise, rounding
+        # level, is never corroborated, so its node is never quarantined and confirmed).
+        learned = audit.noise.tolerance((source.suspect, source.writer))
+        role = "replayer" if source.work_of != source.writer else "owner"
+        return take_snapshot(
+            module=module,
+            payload=work.payload,
+            reference=reference_from_summary(
+                work.reference, names, computed_by=writer.rank, node=writer.node
+            ),
+            suspect=suspect,
+            step=step,
+            run_id=run_id,
+            tolerance=Tolerance(
+                bit_reproducible=learned.loss == 0 and learned.gradients == 0,
+                gradient_tolerance=learned.gradients,
+            ),
+            loss_fn=audit.loss_fn,
+            settings=keeper.settings,
+            work_of=ranks[source.work_of].rank,
+            recorded_by={
+                "rank": writer.rank,
+                "node": writer.node,
+                "pod": writer.pod,
+                "local_rank": writer.local_rank,
+                "role": role,
+            },
+            suspect_result=None
+            if work.suspect_result is None
+            else suspect_result_of(work.suspect_result, names),
+            loss_scale=loss_scale(),
+            evidence=outcome.evidence,
+        )
+
+    return keeper.name_bundle(
+        source,
+        outcome.work,
+        path_of=lambda directory: bundle_path(directory, run_id, step, suspect.rank),
+        snapshot=snapshot,
+    )

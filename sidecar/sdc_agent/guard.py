@@ -20,28 +20,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .audit import AuditOutcome, ReplayAudit, ReplayStats
-from .bundle import EvidenceSnapshot, Tolerance, bundle_path, take_snapshot
-from .bundling import EvidenceKeeper, EvidenceWork, reference_from_summary, suspect_result_of
+from .bundling import EvidenceKeeper, name_replay_bundle
 from .checkpoint import mark_checkpoint
 from .config import GuardConfig
-from .election import elect_reporters
-from .errors import ConfigError, OperatorUnreachableError, ProtocolError, SDCError
-from .faults import FaultInjector, FaultSpec, corrupt_
+from .errors import ConfigError, OperatorUnreachableError, SDCError
+from .fault_sites import FaultSites
+from .faults import FaultInjector
 from .fingerprint import Fingerprinter
 from .gate import StepGate
 from .nonfinite import NonFiniteFinding, StepFlags, classify_nonfinite
-from .protocol import (
-    MAX_MESSAGE,
-    MAX_SUSPECTS,
-    HeartbeatReport,
-    ReporterIdentity,
-    ResumeReport,
-    Suspect,
-    VerdictReport,
-    encode_report,
-)
 from .replay import RngState, map_tensors
-from .reporter import Reporter, ReporterConfig
+from .reporter import Reporter
+from .reporting import GuardReporting
 from .topology import Topology, exchange_identities, local_node_name
 from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints, keeps_replicas_apart
@@ -130,12 +120,22 @@ class Guard:
             raise
         model.register_comm_hook(state=None, hook=_held_weakly(self))
         self._forward_handle = model.register_forward_pre_hook(self._forward_pre)
-        self._setup_reporting(reporter)
+        self._reporting = GuardReporting(
+            reporter,
+            config=self.config,
+            topology=self.topology,
+            group_rank=self.group_rank,
+            group=self.group,
+            comm_device=self.comm_device,
+            run_id=self.run_id,
+            replayer_of=lambda: self._audit.replayer_of,
+        )
+        self.reports = self._reporting.reports
+        self.reporter = self._reporting.reporter
+        self._stop_when_unreachable = self._reporting.stop_when_unreachable
         self._evidence = EvidenceKeeper(
             self.config.bundles, self.group, self.comm_device, self.group_rank
         )
-        self._check_seconds: dict[str, float] = {"nonfinite": 0.0, "replay": 0.0, "weights": 0.0}
-        self._heartbeat_at = time.monotonic()
 
         self.step_count = start_step
         """Steps begun so far; the current step while one is running."""
@@ -174,7 +174,7 @@ class Guard:
         self._warm_up(model.module)
         self._injector = FaultInjector(self.config.faults, self.rank)
         self._injector.attach(model.module)
-        self._grad_targets = self._resolve_grad_targets()
+        self._faults = FaultSites(self._injector, model.module)
         self._audit = ReplayAudit(
             module=model.module,
             loss_fn=loss_fn,
@@ -281,29 +281,6 @@ class Guard:
         with torch.no_grad():
             self._fingerprinter.warm_up(dtypes, self.device)
 
-    def _setup_reporting(self, reporter: Reporter | Literal["auto"] | None) -> None:
-        me = self.topology.ranks[self.group_rank]
-        # Each node's local rank 0 holds the reporter: it sends the node's heartbeats and,
-        # when elected, a verdict.
-        self.reports = me.local_rank == 0
-        if reporter == "auto":
-            reporter_config = ReporterConfig.from_env()
-            reporter = Reporter(reporter_config) if reporter_config is not None else None
-        elif reporter is not None and not isinstance(reporter, Reporter):
-            raise ConfigError(f"reporter: must be a Reporter, None or 'auto', got {reporter!r}")
-        # Whether the step's flags carry the halt flag must be the same on every rank,
-        # or some ranks would call a collective the others skip.
-        wants_halt = torch.tensor(
-            [int(reporter is not None and self.config.unreachable_policy == "stop")],
-            device=self.comm_device,
-        )
-        dist.all_reduce(wants_halt, op=dist.ReduceOp.MAX, group=self.group)
-        self._stop_when_unreachable = bool(wants_halt.item())
-        self.reporter: Reporter | None = reporter if self.reports else None
-        if reporter is not None and not self.reports:
-            reporter.close(timeout=0)
-        self._identity = ReporterIdentity(rank=me.rank, node=me.node, pod=me.pod)
-
     # -- what the Guard knows ------------------------------------------------------------
 
     @property
@@ -388,9 +365,7 @@ class Guard:
         self._phase = STEP
         self.step_count += 1
         self._injector.step = self.step_count
-        halt = self.reporter is not None and self.reporter.verdict_overdue(
-            self.config.report_deadline_seconds
-        )
+        halt = self._reporting.verdict_overdue()
         self._flags.reset(halt=halt and self._stop_when_unreachable)
         self._grad_verdicts = []
         self._hold = False
@@ -460,7 +435,7 @@ class Guard:
             not self._gate.device_skip or self.device.type != "cuda" or self._audit.due
         ):
             self._read_flags()
-        self._check_seconds["nonfinite"] += time.perf_counter() - started
+        self._reporting.check_seconds["nonfinite"] += time.perf_counter() - started
         self._note_replay_availability()
         if self._audit.due and self._audit.payload is not None and not self._hold:
             self._run_audit()
@@ -518,15 +493,25 @@ class Guard:
     def _run_audit(self) -> None:
         started = time.perf_counter()
         outcome = self._audit.audit()
-        self._check_seconds["replay"] += time.perf_counter() - started
+        self._reporting.check_seconds["replay"] += time.perf_counter() - started
         self._log_tolerance()
         finding = outcome.finding
         if finding is not None and finding.classification != "nondeterministic":
             verdict = self._replay_verdict(outcome)
             if outcome.source is not None:
                 started = time.perf_counter()
-                verdict = dataclasses.replace(verdict, bundle=self._name_bundle(outcome))
-                self._check_seconds["replay"] += time.perf_counter() - started
+                bundle = name_replay_bundle(
+                    self._evidence,
+                    outcome,
+                    audit=self._audit,
+                    topology=self.topology,
+                    module=self.model.module,
+                    step=self.step_count,
+                    run_id=self.run_id,
+                    loss_scale=self._loss_scale,
+                )
+                verdict = dataclasses.replace(verdict, bundle=bundle)
+                self._reporting.check_seconds["replay"] += time.perf_counter() - started
             self._grad_verdicts.append(verdict)
             self._hold = True
             return
@@ -535,64 +520,8 @@ class Guard:
         if note is not None:
             self._report_nondeterminism(note, outcome)
 
-    def _name_bundle(self, outcome: AuditOutcome) -> str | None:
-        """The evidence bundle of a localized, persistent replay verdict: named alike on
-        every rank, written by the one healthy rank that holds the micro-batch and its
-        reference (:mod:`sdc_agent.bundling`). A collective."""
-        source = outcome.source
-        assert source is not None
-        ranks = self.topology.ranks
-        s = ranks[source.suspect]
-        suspect = Suspect(
-            rank=s.rank, node=s.node, local_rank=s.local_rank, pod=s.pod, gpu_uuid=s.gpu_uuid
-        )
-        step, run_id = self.step_count, self.run_id
-        module = self.model.module
-        names = [n for n, p in module.named_parameters() if p.requires_grad]
-        writer = ranks[source.writer]
-
-        def snapshot(work: EvidenceWork) -> EvidenceSnapshot:
-            # What the confirmation compares with: gradients within the learned noise; the
-            # loss bit for bit (a finding within the loss's own learned noise, rounding
-            # level, is never corroborated, so its node is never quarantined and confirmed).
-            learned = self._audit.noise.tolerance((source.suspect, source.writer))
-            role = "replayer" if source.work_of != source.writer else "owner"
-            return take_snapshot(
-                module=module,
-                payload=work.payload,
-                reference=reference_from_summary(
-                    work.reference, names, computed_by=writer.rank, node=writer.node
-                ),
-                suspect=suspect,
-                step=step,
-                run_id=run_id,
-                tolerance=Tolerance(
-                    bit_reproducible=learned.loss == 0 and learned.gradients == 0,
-                    gradient_tolerance=learned.gradients,
-                ),
-                loss_fn=self._audit.loss_fn,
-                settings=self.config.bundles,
-                work_of=ranks[source.work_of].rank,
-                recorded_by={
-                    "rank": writer.rank,
-                    "node": writer.node,
-                    "pod": writer.pod,
-                    "local_rank": writer.local_rank,
-                    "role": role,
-                },
-                suspect_result=None
-                if work.suspect_result is None
-                else suspect_result_of(work.suspect_result, names),
-                loss_scale=None if self.scaler is None else float(self.scaler.get_scale()),
-                evidence=outcome.evidence,
-            )
-
-        return self._evidence.name_bundle(
-            source,
-            outcome.work,
-            path_of=lambda directory: bundle_path(directory, run_id, step, suspect.rank),
-            snapshot=snapshot,
-        )
+    def _loss_scale(self) -> float | None:
+        return None if self.scaler is None else float(self.scaler.get_scale())
 
     def _report_nondeterminism(self, note: str, outcome: AuditOutcome) -> None:
         if self._nondeterminism_reported:
@@ -648,16 +577,13 @@ class Guard:
         self, applied: torch.Tensor | bool, loss: torch.Tensor | float | None
     ) -> StepResult:
         step = self.step_count
-        if self._injector and bool(applied):
-            for spec in self._injector.pending("weights"):
-                if self._injector.fire(spec):
-                    corrupt_(self._weight_target(spec), spec)
+        self._faults.weights(applied)
         verdicts = list(self._grad_verdicts)
         weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
         if weights_checked:
             started = time.perf_counter()
             verdict = self._check_weights(step)
-            self._check_seconds["weights"] += time.perf_counter() - started
+            self._reporting.check_seconds["weights"] += time.perf_counter() - started
             if verdict is not None:
                 # Diverged weights stay diverged: report each new split once.
                 if verdict.suspect_ranks != self._reported_weight_suspects:
@@ -679,7 +605,14 @@ class Guard:
                 v.check,
                 v.message,
             )
-        self._report(step, verdicts)
+        self._reporting.step_done(
+            step,
+            verdicts,
+            last_clean_step=self.last_clean_step,
+            fingerprint_kernel=self.fingerprint_kernel,
+            gradient_tolerance=self.gradient_tolerance,
+            bit_reproducible=self.bit_reproducible,
+        )
         self._phase = IDLE
         return StepResult(step=step, loss=loss, applied=applied, verdicts=tuple(verdicts))
 
@@ -797,12 +730,7 @@ class Guard:
         # uninterrupted run took at this point. The next Guard.step settles the layout
         # first (see _settle), so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True
-        if self.reporter is not None:
-            self.reporter.submit(
-                ResumeReport(
-                    reporter=self._identity, sent_at=time.time(), step=step, location=location
-                )
-            )
+        self._reporting.resumed(step, location)
 
     def mark_checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> bool:
         """Record the checkpoint just written at ``path`` for ``step`` (default: the current
@@ -816,7 +744,7 @@ class Guard:
         step = self.step_count if step is None else step
         verified = step <= self.last_clean_step
         mark_checkpoint(
-            path, step, verified=verified, reporter=self.reporter, identity=self._identity
+            path, step, verified=verified, reporter=self.reporter, identity=self._reporting.identity
         )
         self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
         return verified
@@ -842,91 +770,7 @@ class Guard:
         self._forward_handle.remove()
         self._gate.remove()
         self._evidence.close(timeout)  # a bundle still being written is finished first
-        if self.reporter is not None:
-            self.reporter.close(timeout)
-
-    # -- reports ---------------------------------------------------------------------------
-
-    def _report(self, step: int, verdicts: list[Verdict]) -> None:
-        if self.reporter is None:
-            return
-        now = time.time()
-        me = self.topology.ranks[self.group_rank].node
-        for v in verdicts:
-            if me in self._reporters_of(v):
-                self.reporter.submit(self._verdict_report(v, now))
-        every = self.config.heartbeat_every
-        if every and step % every == 0:
-            tick = time.monotonic()
-            self.reporter.submit(
-                HeartbeatReport(
-                    reporter=self._identity,
-                    sent_at=now,
-                    step=step,
-                    last_clean_step=self.last_clean_step,
-                    check_seconds=dict(self._check_seconds),
-                    interval_seconds=max(0.0, tick - self._heartbeat_at),
-                    fingerprint_kernel=self.fingerprint_kernel,
-                    gradient_tolerance=self.gradient_tolerance,
-                    bit_reproducible=self.bit_reproducible,
-                    run_id=self.run_id,
-                )
-            )
-            self._heartbeat_at = tick
-            self._check_seconds = dict.fromkeys(self._check_seconds, 0.0)
-
-    def _reporters_of(self, v: Verdict) -> tuple[str, ...]:
-        group_of = {r.rank: i for i, r in enumerate(self.topology.ranks)}
-        suspects = [group_of[r] for r in v.suspect_ranks if r in group_of]
-        nodes = [r.node for r in self.topology.ranks]
-        return elect_reporters(
-            suspects, nodes, self._audit.replayer_of, self.config.verdict_reporters
-        )
-
-    def _verdict_report(self, v: Verdict, now: float) -> VerdictReport:
-        by_rank = {r.rank: r for r in self.topology.ranks}
-        suspects = tuple(
-            Suspect(
-                rank=r,
-                node=by_rank[r].node,
-                local_rank=by_rank[r].local_rank,
-                pod=by_rank[r].pod,
-                gpu_uuid=by_rank[r].gpu_uuid,
-            )
-            for r in v.suspect_ranks
-        )
-        report = VerdictReport(
-            reporter=self._identity,
-            sent_at=now,
-            check=v.check,
-            classification=v.classification,
-            step=v.step,
-            last_clean_step=v.last_clean_step,
-            localized=v.localized,
-            transient=v.transient,
-            suspects=suspects,
-            message=v.message,
-            evidence=v.evidence,
-            corroborated=v.corroborated,
-            run_id=self.run_id,
-            bundle=v.bundle,
-        )
-        try:
-            encode_report(report)
-        except ProtocolError:  # too large or too long: keep the verdict, trim the details
-            report = dataclasses.replace(
-                report,
-                message=report.message[: MAX_MESSAGE - 20] + " [truncated]"
-                if len(report.message) > MAX_MESSAGE
-                else report.message,
-                suspects=report.suspects[:MAX_SUSPECTS],
-                evidence={
-                    "truncated": True,
-                    "keys": sorted(v.evidence),
-                    "suspects": len(report.suspects),
-                },
-            )
-        return report
+        self._reporting.close(timeout)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -970,34 +814,6 @@ class Guard:
             corroborated=split.localized and len(majority_nodes) >= 2,
         )
 
-    def _resolve_grad_targets(self) -> dict[FaultSpec, nn.Parameter]:
-        params = dict(self.model.module.named_parameters())
-        return {
-            spec: params[spec.target]
-            for spec in self._injector.specs
-            if spec.site in ("grad_local", "grad_reduced") and spec.target is not None
-        }
-
-    def _weight_target(self, spec: FaultSpec) -> torch.Tensor:
-        params = dict(self.model.module.named_parameters())
-        name = spec.target if spec.target is not None else next(iter(params))
-        return params[name].data
-
-    def _inject_grad(self, site: str, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
-        for spec in self._injector.pending(site):
-            param = self._grad_targets.get(spec)
-            if param is None:
-                if bucket.index() == 0 and self._injector.fire(spec):
-                    corrupt_(tensor, spec)
-                continue
-            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                if p is param and self._injector.fire(spec):
-                    # bucket.gradients() are views of the bucket buffer before the
-                    # all-reduce; afterwards, hit the same span of the reduced tensor.
-                    start = grad.data_ptr() - bucket.buffer().data_ptr()
-                    offset = start // tensor.element_size()
-                    corrupt_(tensor.view(-1)[offset : offset + grad.numel()], spec)
-
     def _settle(self, batch: Any) -> None:
         """One forward and backward that is not a step, so DDP rebuilds its buckets before
         the first real step after :meth:`restore`: gradients, RNG and buffers (BatchNorm
@@ -1016,6 +832,16 @@ class Guard:
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), buffers, strict=True):
                     b.copy_(saved)
+
+    def _inject_grad(self, site: str, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
+        self._faults.gradients(
+            site,
+            index=bucket.index(),
+            buffer=bucket.buffer(),
+            parameters=bucket.parameters(),
+            gradients=bucket.gradients(),
+            tensor=tensor,
+        )
 
     def _forward_pre(self, _module: nn.Module, _args: Any) -> None:
         if self._settling or not torch.is_grad_enabled():
@@ -1045,7 +871,7 @@ class Guard:
                 "a backward pass after before_optimizer_step(): the step's checks have run; "
                 "call after_optimizer_step() first"
             )
-        if self._injector:
+        if self._faults:
             self._inject_grad("grad_local", bucket, buffer)
         self._audit.observe_bucket(bucket)
         # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
@@ -1055,7 +881,7 @@ class Guard:
         if bucket.is_last() and self._flags_wanted:
             self._flags.send(self.group)  # rides right behind the step's last bucket
 
-        if not self._injector:
+        if not self._faults:
             return fut.then(lambda f: f.value()[0])
 
         def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
