@@ -65,7 +65,7 @@ class StepGate:
             h.remove()
         # The phase function is the Guard's: holding it on would keep the Guard, its model
         # and the model's process group alive until the garbage collector finds the cycle
-        # (see sdc_agent.guard._held_weakly).
+        # (see sdc_agent.layout._held_weakly).
         self._phase = _removed
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

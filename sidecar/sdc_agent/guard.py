@@ -1,16 +1,21 @@
-"""The training-loop entry point: :class:`Guard`."""
+"""The training-loop entry point: :class:`Guard`, a thin coordinator.
+
+The Guard keeps the phases of a step (idle, backward, decided) and the gate that holds a
+bad step back (:mod:`sdc_agent.gate`); everything else is delegated: the layout
+(:mod:`sdc_agent.layout`: where gradients, replicas and collectives are, DDP here), the
+check units (:mod:`sdc_agent.checks`: check 1 :mod:`~sdc_agent.check_nonfinite`, check 2
+:mod:`~sdc_agent.check_replay`, check 3 :mod:`~sdc_agent.check_weights`), the reports
+(:mod:`sdc_agent.reporting`) and the evidence bundles (:mod:`sdc_agent.bundling`).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import time
 import uuid
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -19,22 +24,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .audit import AuditOutcome, ReplayAudit, ReplayStats
-from .bundling import EvidenceKeeper, name_replay_bundle
+from .audit import ReplayAudit, ReplayStats
+from .bundling import EvidenceKeeper
+from .check_nonfinite import NonFiniteCheck
+from .check_replay import ReplayCheck
+from .check_weights import WeightCheck
 from .checkpoint import mark_checkpoint
+from .checks import CheckUnit, StepState
 from .config import GuardConfig
 from .errors import ConfigError, OperatorUnreachableError, SDCError
-from .fault_sites import FaultSites
-from .faults import FaultInjector
 from .fingerprint import Fingerprinter
 from .gate import StepGate
-from .nonfinite import NonFiniteFinding, StepFlags, classify_nonfinite
-from .replay import RngState, map_tensors
+from .layout import DDPLayout, GradientBucket
+from .replay import map_tensors
 from .reporter import Reporter
-from .reporting import GuardReporting
+from .reporting import CHECKS, GuardReporting
 from .topology import Topology, exchange_identities, local_node_name
-from .verdict import StepResult, Verdict
-from .weights import WeightFingerprints, keeps_replicas_apart
+from .verdict import StepResult
+from .weights import WeightFingerprints
 
 __all__ = ["Guard"]
 
@@ -43,12 +50,6 @@ log = logging.getLogger("sdc_agent")
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 IDLE, STEP, DECIDED = "idle", "backward", "decided"
-
-NONDETERMINISM_GUIDANCE = (
-    " Nothing is accused and no step is held back for it. To make the audit sharper, call "
-    "sdc_agent.enable_determinism() at start-up and draw all randomness from torch's "
-    "generators; guard.gradient_tolerance shows the threshold in force."
-)
 
 
 class Guard:
@@ -97,29 +98,26 @@ class Guard:
         self.loss_fn = loss_fn
         self.scaler = scaler
         self.config = config if config is not None else GuardConfig.from_env()
-        self.group: dist.ProcessGroup | None = getattr(model, "process_group", None)
-        self.rank = dist.get_rank()
-        self.group_rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        first = next(model.module.parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self._layout = layout = DDPLayout(model, self.config)
+        self.group: dist.ProcessGroup | None = layout.group
+        self.rank = layout.rank
+        self.group_rank = layout.group_rank
+        self.world_size = layout.world_size
+        self.device = layout.device
         """The model's device: where the step's flags live (not the current CUDA device,
         which is ``cuda:0`` on every rank that never called ``set_device``)."""
-        backend = str(dist.get_backend(self.group))
-        if "nccl" in backend and self.device.type != "cuda":
-            raise ConfigError(f"model: an NCCL group needs the model on CUDA, got {self.device}")
-        self.comm_device = self.device if "nccl" in backend else torch.device("cpu")
-        self._check_model(model.module)
+        self.comm_device = layout.comm_device
+        ReplayCheck.refuse(model.module, self.config.replay_enabled)
+        WeightCheck.refuse(optimizer, self.config.weights_every)
 
         self._gate = StepGate(optimizer, lambda: self._phase)
         try:
             self.topology, self.run_id = self._start_up_exchange()
-            self._build_checks(model, loss_fn)
+            self._build_checks(loss_fn)
         except BaseException:
             self._gate.remove()  # a Guard that failed to start leaves nothing behind
             raise
-        model.register_comm_hook(state=None, hook=_held_weakly(self))
-        self._forward_handle = model.register_forward_pre_hook(self._forward_pre)
+        layout.attach(self)
         self._reporting = GuardReporting(
             reporter,
             config=self.config,
@@ -128,14 +126,13 @@ class Guard:
             group=self.group,
             comm_device=self.comm_device,
             run_id=self.run_id,
-            replayer_of=lambda: self._audit.replayer_of,
+            replayer_of=self._audit.replayer_of,
+            check_seconds=self._seconds,
         )
         self.reports = self._reporting.reports
         self.reporter = self._reporting.reporter
         self._stop_when_unreachable = self._reporting.stop_when_unreachable
-        self._evidence = EvidenceKeeper(
-            self.config.bundles, self.group, self.comm_device, self.group_rank
-        )
+        layout.flags_wanted = self._flags_wanted
 
         self.step_count = start_step
         """Steps begun so far; the current step while one is running."""
@@ -143,40 +140,29 @@ class Guard:
         """The newest step at which every check passed and, with the weight check on,
         the replicas' weights were verified identical. A checkpoint of that step or an
         earlier one is safe to resume from."""
-        self.weights_diverged = False
-        """Set when check 3 failed: the replicas' weights differ, and no later step can
-        be clean until the job restores a checkpoint (see :meth:`restore`)."""
-        self._settling = False  # in _settle: the hook only all-reduces
-        # A resumed job (start_step, restore): the next step first settles DDP's buckets.
+        # A resumed job (start_step, restore): the next step first settles the layout.
         self._settle_buckets = start_step > 0
-        self._grad_verdicts: list[Verdict] = []
-        self._hold = False
+        self._state = StepState(step=start_step, last_clean_step=start_step)
         self._flags_read = False
-        self._audited_clean = False
-        self._replay_unavailable = False
-        self._nondeterminism_reported = False
-        self._reported_weight_suspects: tuple[int, ...] = ()
-        self._tolerance_logged: str | None = None
-        # The newest step each verifying check vouched for; last_clean_step is the oldest.
-        self._verified = {"weights": start_step, "replay": start_step}
+        # The newest step each check with a say vouched for; last_clean_step is the oldest.
+        self._verified = {u.name: start_step for u in self._units if u.vouches}
 
     # -- construction ----------------------------------------------------------------------
 
-    def _build_checks(self, model: DistributedDataParallel, loss_fn: LossFn | None) -> None:
+    def _build_checks(self, loss_fn: LossFn | None) -> None:
+        layout = self._layout
+        self._seconds = dict.fromkeys(CHECKS, 0.0)  # since the last heartbeat
         self._fingerprinter = Fingerprinter(self.config.fingerprint_backend)
-        self._flags = StepFlags(self.world_size, self.group_rank, self.device)
-        self._weights = WeightFingerprints(
-            model.module,
+        weights = WeightFingerprints(
+            layout.module,
             self.optimizer,
             self._fingerprinter,
             self.config.weights_include_optimizer_state,
         )
-        self._warm_up(model.module)
-        self._injector = FaultInjector(self.config.faults, self.rank)
-        self._injector.attach(model.module)
-        self._faults = FaultSites(self._injector, model.module)
+        self._warm_up(layout.module)
+        self._injector = layout.injector
         self._audit = ReplayAudit(
-            module=model.module,
+            module=layout.module,
             loss_fn=loss_fn,
             topology=self.topology,
             group=self.group,
@@ -187,6 +173,36 @@ class Guard:
             probability=self.config.replay_probability,
             calibrate=self.config.replay_mode == "calibrate",
         )
+        self._evidence = EvidenceKeeper(
+            self.config.bundles, self.group, self.comm_device, self.group_rank
+        )
+        self._nonfinite = NonFiniteCheck(
+            enabled=self.config.nonfinite_check,
+            topology=self.topology,
+            audit=self._audit,
+            scaled=self.scaler is not None,
+        )
+        self._replay = ReplayCheck(
+            self._audit,
+            enabled=self.config.replay_enabled,
+            topology=self.topology,
+            module=layout.module,
+            group_rank=self.group_rank,
+            evidence=self._evidence,
+            run_id=self.run_id,
+            loss_scale=self._loss_scale,
+            seconds=self._seconds,
+        )
+        self._weight_check = WeightCheck(
+            weights,
+            every=self.config.weights_every,
+            topology=self.topology,
+            group=self.group,
+            comm_device=self.comm_device,
+            world_size=self.world_size,
+            seconds=self._seconds,
+        )
+        self._units: tuple[CheckUnit, ...] = (self._nonfinite, self._replay, self._weight_check)
 
     @staticmethod
     def _validate_arguments(
@@ -218,21 +234,6 @@ class Guard:
             )
         if not dist.is_initialized():
             raise SDCError("torch.distributed is not initialized: call init_process_group first")
-
-    def _check_model(self, module: nn.Module) -> None:
-        if self.config.replay_enabled and any(
-            isinstance(m, nn.SyncBatchNorm) for m in module.modules()
-        ):
-            raise ConfigError(
-                "replay_every: the model has SyncBatchNorm, whose forward all-reduces across "
-                "ranks, and the replay audit recomputes micro-batches on some ranks only (it "
-                "would hang); set replay_every=0 and replay_probability=0, or use BatchNorm"
-            )
-        if self.config.weights_every > 0 and keeps_replicas_apart(self.optimizer):
-            raise ConfigError(
-                "weights_every: PostLocalSGDOptimizer keeps the replicas apart between its "
-                "averaging steps, so check 3 would accuse every rank; set weights_every=0"
-            )
 
     def _start_up_exchange(self) -> tuple[Topology, str]:
         """One all-gather: identities, the settings that must agree, the run id."""
@@ -310,6 +311,12 @@ class Guard:
         path; see :attr:`sdc_agent.Fingerprinter.kernel`)."""
         return self._fingerprinter.kernel
 
+    @property
+    def weights_diverged(self) -> bool:
+        """Set when check 3 failed: the replicas' weights differ, and no later step can
+        be clean until the job restores a checkpoint (see :meth:`restore`)."""
+        return self._weight_check.diverged
+
     # -- the shortest form ---------------------------------------------------------------
 
     def step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> StepResult:
@@ -330,7 +337,7 @@ class Guard:
         count = len(micro_batches)
         if self._settle_buckets:
             self._settle_buckets = False
-            self._settle(micro_batches[0])
+            self._layout.settle(micro_batches[0], self.loss_fn, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.begin_step()
         total: torch.Tensor | None = None  # stays on the device
@@ -339,7 +346,7 @@ class Guard:
             audited = micro
             if j == 0 and self._audit.due:  # before the forward, which may change it
                 audited = map_tensors(micro, lambda t: t.detach().clone())
-            with contextlib.nullcontext() if last else self.model.no_sync():
+            with contextlib.nullcontext() if last else self._layout.no_sync():
                 loss = self.loss_fn(self.model, micro)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise SDCError("loss_fn must return a scalar tensor")
@@ -366,12 +373,11 @@ class Guard:
         self.step_count += 1
         self._injector.step = self.step_count
         halt = self._reporting.verdict_overdue()
-        self._flags.reset(halt=halt and self._stop_when_unreachable)
-        self._grad_verdicts = []
-        self._hold = False
+        self._layout.flags.reset(halt=halt and self._stop_when_unreachable)
+        self._state = state = StepState(step=self.step_count, last_clean_step=self.last_clean_step)
         self._flags_read = False
-        self._audited_clean = False
-        self._audit.begin(self.step_count)
+        for unit in self._units:
+            unit.begin(state)
         return self.step_count
 
     def before_backward(
@@ -404,8 +410,7 @@ class Guard:
         self._record_micro_batch(batch, loss, copy=True)
 
     def _record_micro_batch(self, batch: Any, loss: torch.Tensor, *, copy: bool) -> None:
-        syncs = bool(getattr(self.model, "require_backward_grad_sync", True))
-        self._audit.micro_batch(batch, loss, syncs=syncs, copy=copy)
+        self._audit.micro_batch(batch, loss, syncs=self._layout.syncs_gradients(), copy=copy)
 
     def before_optimizer_step(self) -> bool:
         """After backward: checks 1 and 2 across ranks; false when the step must be held
@@ -425,25 +430,27 @@ class Guard:
             )
         if self._phase == DECIDED:
             raise SDCError("before_optimizer_step called twice in one step")
+        state = self._state
+        flags = self._layout.flags
         started = time.perf_counter()
-        if self._flags_wanted and not self._flags.sent:
-            self._flags.send(self.group)  # no bucket went through the hook (no_sync?)
-        skip = self._flags.skip_tensor() if self._flags_wanted else None
+        if self._flags_wanted and not flags.sent:
+            flags.send(self.group)  # no bucket went through the hook (no_sync?)
+        skip = flags.skip_tensor() if self._flags_wanted else None
         # The host reads the flags now unless the optimizer skips on the device and the
         # device is a GPU (then after the optimizer step is queued, in after_optimizer_step).
         if self._flags_wanted and (
             not self._gate.device_skip or self.device.type != "cuda" or self._audit.due
         ):
             self._read_flags()
-        self._reporting.check_seconds["nonfinite"] += time.perf_counter() - started
-        self._note_replay_availability()
-        if self._audit.due and self._audit.payload is not None and not self._hold:
-            self._run_audit()
-        self._gate.arm(skip=skip, hold=self._hold)
-        if self._hold and self.scaler is not None:
+        self._seconds["nonfinite"] += time.perf_counter() - started
+        self._nonfinite.before_step(state)
+        self._replay.before_step(state)
+        self._weight_check.before_step(state)
+        self._gate.arm(skip=skip, hold=state.hold)
+        if state.hold and self.scaler is not None:
             self._let_the_scaler_keep_its_books()
         self._phase = DECIDED
-        return not self._hold
+        return not state.hold
 
     def _let_the_scaler_keep_its_books(self) -> None:
         # A loop that skips scaler.step() still calls scaler.update(), which needs the
@@ -454,7 +461,7 @@ class Guard:
 
     def _read_flags(self) -> None:
         self._flags_read = True
-        before, halt = self._flags.read()
+        before, halt = self._layout.flags.read()
         if halt:
             self._phase = IDLE
             raise OperatorUnreachableError(
@@ -462,98 +469,14 @@ class Guard:
                 f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
                 "training here, before another step is applied"
             )
-        if not self.config.nonfinite_check:
-            return
-        finding = classify_nonfinite(before)
-        if finding is None:
-            return
-        self._hold = True
-        verdict = self._nonfinite_verdict(finding, before)
-        if verdict is not None:
-            self._grad_verdicts.append(verdict)
+        self._nonfinite.judge(self._state, before)
 
     @property
     def _flags_wanted(self) -> bool:
         return self.config.nonfinite_check or self._stop_when_unreachable
 
-    def _note_replay_availability(self) -> None:
-        if self._audit.payload is not None or self._replay_unavailable:
-            return
-        # The loop never shows the audit a micro-batch (before_backward not called).
-        self._replay_unavailable = True
-        if self.config.replay_enabled:
-            warnings.warn(
-                "sdc_agent: the replay audit needs the micro-batch and its loss: call "
-                "guard.before_backward(batch, loss) after the forward (or use Guard.step); "
-                "without it the audit is skipped and last_clean_step follows the other checks",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def _run_audit(self) -> None:
-        started = time.perf_counter()
-        outcome = self._audit.audit()
-        self._reporting.check_seconds["replay"] += time.perf_counter() - started
-        self._log_tolerance()
-        finding = outcome.finding
-        if finding is not None and finding.classification != "nondeterministic":
-            verdict = self._replay_verdict(outcome)
-            if outcome.source is not None:
-                started = time.perf_counter()
-                bundle = name_replay_bundle(
-                    self._evidence,
-                    outcome,
-                    audit=self._audit,
-                    topology=self.topology,
-                    module=self.model.module,
-                    step=self.step_count,
-                    run_id=self.run_id,
-                    loss_scale=self._loss_scale,
-                )
-                verdict = dataclasses.replace(verdict, bundle=bundle)
-                self._reporting.check_seconds["replay"] += time.perf_counter() - started
-            self._grad_verdicts.append(verdict)
-            self._hold = True
-            return
-        self._audited_clean = outcome.vouches
-        note = outcome.learned or (finding.message if finding is not None else None)
-        if note is not None:
-            self._report_nondeterminism(note, outcome)
-
     def _loss_scale(self) -> float | None:
         return None if self.scaler is None else float(self.scaler.get_scale())
-
-    def _report_nondeterminism(self, note: str, outcome: AuditOutcome) -> None:
-        if self._nondeterminism_reported:
-            log.log(logging.INFO if self.group_rank == 0 else logging.DEBUG, "sdc_agent: %s", note)
-            return
-        self._nondeterminism_reported = True
-        self._grad_verdicts.append(
-            Verdict(
-                check="replay",
-                step=self.step_count,
-                classification="nondeterministic",
-                suspect_ranks=(),
-                suspect_nodes=(),
-                localized=False,
-                last_clean_step=self.last_clean_step,
-                message=note + NONDETERMINISM_GUIDANCE,
-                evidence=outcome.evidence,
-            )
-        )
-
-    def _log_tolerance(self) -> None:
-        if self.gradient_tolerance is None:
-            return
-        now = self._audit.noise.describe()  # the loss's threshold and the gradients'
-        if now == self._tolerance_logged:
-            return
-        self._tolerance_logged = now
-        log.log(
-            logging.INFO if self.group_rank == 0 else logging.DEBUG,
-            "sdc_agent: replay audit threshold: %s",
-            now,
-        )
 
     def after_optimizer_step(self, *, loss: torch.Tensor | float | None = None) -> StepResult:
         """After the optimizer step (or after skipping it): check 3, bookkeeping, reports.
@@ -576,26 +499,18 @@ class Guard:
     def _finish(
         self, applied: torch.Tensor | bool, loss: torch.Tensor | float | None
     ) -> StepResult:
-        step = self.step_count
-        self._faults.weights(applied)
-        verdicts = list(self._grad_verdicts)
-        weights_checked = self.config.weights_every > 0 and step % self.config.weights_every == 0
-        if weights_checked:
-            started = time.perf_counter()
-            verdict = self._check_weights(step)
-            self._reporting.check_seconds["weights"] += time.perf_counter() - started
-            if verdict is not None:
-                # Diverged weights stay diverged: report each new split once.
-                if verdict.suspect_ranks != self._reported_weight_suspects:
-                    verdicts.append(verdict)
-                    self._reported_weight_suspects = verdict.suspect_ranks
-                self.weights_diverged = True
+        state = self._state
+        step = state.step
+        state.applied = applied
+        self._layout.faults.weights(applied)
+        for unit in self._units:
+            unit.after_step(state)
+        verdicts = list(state.verdicts)
         blocking = [v for v in verdicts if v.classification != "nondeterministic"]
-        if not blocking and not self.weights_diverged:
-            if weights_checked or self.config.weights_every == 0:
-                self._verified["weights"] = step
-            if self._audited_clean or not self._replay_verifies:
-                self._verified["replay"] = step
+        if not blocking and not any(u.blocks_clean for u in self._units):
+            for unit in self._units:
+                if unit.vouches and unit.vouched(state):
+                    self._verified[unit.name] = step
             self.last_clean_step = min(self._verified.values())
         for v in verdicts:
             log.log(
@@ -632,82 +547,6 @@ class Guard:
         seen = self._gate.applied if self._gate.stepped else False
         return self._finish(seen if applied else False, loss)
 
-    # -- verdicts --------------------------------------------------------------------------
-
-    def _nonfinite_verdict(self, finding: NonFiniteFinding, before: list[bool]) -> Verdict | None:
-        evidence: dict[str, Any] = {"nonfinite_before_allreduce": self._global(before)}
-        classification, suspects, localized, message = (
-            finding.classification,
-            finding.suspects,
-            finding.localized,
-            finding.message,
-        )
-        corroborated: bool | None = None
-        transient: bool | None = None
-        payload = self._audit.payload
-        if classification == "rank":
-            corroborated = False
-            if payload is None:
-                evidence["replayed_elsewhere_nonfinite"] = "not replayed: no micro-batch"
-            elif self._audit.micro_batches > 1:
-                # Only the first micro-batch travels: a replay of it says nothing about the rest.
-                evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
-            elif self._audit.loss_fn is not None:
-                replayed = self._audit.replay_nonfinite(suspects)
-                evidence["replayed_elsewhere_nonfinite"] = {
-                    str(self.topology.global_rank(p)): bad for p, (bad, _) in replayed.items()
-                }
-                if (
-                    replayed
-                    and len(replayed) == len(suspects)
-                    and all(bad for bad, _ in replayed.values())
-                ):
-                    classification, suspects, localized = "training", (), False
-                    corroborated = None
-                    message += "; replayed on another node and non-finite again: the data or "
-                    message += "the model, not hardware"
-                elif replayed and len(replayed) == len(suspects):
-                    corroborated = True
-                    transient = not all(again for _, again in replayed.values())
-                    message += "; a replay on another node was finite"
-                    message += (
-                        " and the suspect's own recomputation was finite too (transient)"
-                        if transient
-                        else ", the suspect's own recomputation non-finite again (persistent)"
-                    )
-        if classification == "training" and self.scaler is not None:
-            return None  # overflow: GradScaler's business (it skips the step and backs off)
-        return Verdict(
-            check="nonfinite",
-            step=self.step_count,
-            classification=classification,  # type: ignore[arg-type]
-            suspect_ranks=tuple(self.topology.global_rank(r) for r in suspects),
-            suspect_nodes=self.topology.nodes_of(suspects),
-            localized=localized,
-            last_clean_step=self.last_clean_step,
-            message=message,
-            evidence=evidence,
-            transient=transient,
-            corroborated=corroborated,
-        )
-
-    def _replay_verdict(self, outcome: AuditOutcome) -> Verdict:
-        finding = outcome.finding
-        assert finding is not None
-        return Verdict(
-            check="replay",
-            step=self.step_count,
-            classification=finding.classification,  # type: ignore[arg-type]
-            suspect_ranks=tuple(self.topology.global_rank(r) for r in finding.suspects),
-            suspect_nodes=self.topology.nodes_of(finding.suspects),
-            localized=finding.localized,
-            last_clean_step=self.last_clean_step,
-            message=finding.message,
-            evidence=outcome.evidence,
-            transient=finding.transient,
-            corroborated=finding.corroborated,
-        )
-
     # -- checkpoints, resume ---------------------------------------------------------------
 
     def restore(self, step: int, location: str | None = None) -> None:
@@ -720,15 +559,11 @@ class Guard:
             raise SDCError("restore called during a step")
         self.step_count = step
         self.last_clean_step = step
-        self.weights_diverged = False
-        self._reported_weight_suspects = ()
-        self._verified = {"weights": step, "replay": step}
-        # A fresh DDP model reduces its first step's gradients in its initial bucket layout,
-        # then rebuilds the buckets in the order gradients became ready. The all-reduce
-        # sums element by element in an order that depends on the element's place in the
-        # bucket, so (with more than two ranks) that first step is not bitwise the step an
-        # uninterrupted run took at this point. The next Guard.step settles the layout
-        # first (see _settle), so a resumed run reproduces an uninterrupted one exactly.
+        for unit in self._units:
+            unit.restored(step)
+        self._verified = dict.fromkeys(self._verified, step)
+        # The next Guard.step settles the layout first (DDPLayout.settle: DDP's buckets),
+        # so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True
         self._reporting.resumed(step, location)
 
@@ -749,103 +584,19 @@ class Guard:
         self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
         return verified
 
-    @property
-    def _replay_verifies(self) -> bool:
-        # Only audits that can run vouch for steps: without a loss function, without the
-        # micro-batch, or on a job whose replays are not reproducible, the audit never
-        # vouches, and last_clean_step follows the other checks.
-        return (
-            self.config.replay_enabled
-            and self._audit.verifies
-            and self._audit.loss_fn is not None
-            and not self._replay_unavailable
-        )
-
     def close(self, timeout: float = 10.0) -> None:
         """Deliver queued reports (up to ``timeout`` seconds), remove the forward hooks of
         injected faults and the Guard's hooks on the model and optimizer (the comm hook
         stays with DDP). An evidence bundle still being written is finished first (up to
         ``timeout`` seconds too)."""
-        self._injector.detach()
-        self._forward_handle.remove()
+        self._layout.detach()
         self._gate.remove()
         self._evidence.close(timeout)  # a bundle still being written is finished first
         self._reporting.close(timeout)
 
-    # -- internals -----------------------------------------------------------------------
+    # -- what the layout calls ---------------------------------------------------------------
 
-    def _global(self, flags: list[bool]) -> list[int]:
-        return [self.topology.global_rank(r) for r, bad in enumerate(flags) if bad]
-
-    def _check_weights(self, step: int) -> Verdict | None:
-        split, evidence = self._weights.compare(self.group, self.comm_device)
-        if split is None:
-            return None
-        suspects = tuple(self.topology.global_rank(r) for r in split.suspects)
-        differing = evidence.get("differing_tensors")
-        if isinstance(differing, dict):
-            evidence["differing_tensors"] = {
-                str(self.topology.global_rank(int(r))): names for r, names in differing.items()
-            }
-        if split.localized:
-            message = (
-                f"weights of rank(s) {', '.join(map(str, suspects))} differ from the "
-                f"majority of {self.world_size} replicas"
-            )
-        else:
-            message = (
-                f"replica weights differ and no majority agrees (ranks "
-                f"{', '.join(map(str, suspects))}): cannot tell which is wrong"
-            )
-        # A strict majority on at least two other nodes is independent evidence.
-        majority_nodes = {
-            self.topology.node_of(r) for r in range(self.world_size) if r not in split.suspects
-        } - set(self.topology.nodes_of(split.suspects))
-        return Verdict(
-            check="weights",
-            step=step,
-            classification="replica",
-            suspect_ranks=suspects,
-            suspect_nodes=self.topology.nodes_of(split.suspects),
-            localized=split.localized,
-            last_clean_step=self.last_clean_step,
-            message=message,
-            evidence=evidence,
-            corroborated=split.localized and len(majority_nodes) >= 2,
-        )
-
-    def _settle(self, batch: Any) -> None:
-        """One forward and backward that is not a step, so DDP rebuilds its buckets before
-        the first real step after :meth:`restore`: gradients, RNG and buffers (BatchNorm
-        statistics) are put back, no check runs, no step is counted."""
-        rng = RngState.capture(self.device)  # the model's generator, not cuda:0's
-        buffers = [b.detach().clone() for b in self.model.buffers()]
-        self._settling = True
-        try:
-            assert self.loss_fn is not None  # Guard.step checked it
-            self.optimizer.zero_grad(set_to_none=True)
-            self.loss_fn(self.model, batch).backward()
-        finally:
-            self._settling = False
-            self.optimizer.zero_grad(set_to_none=True)
-            rng.restore(self.device)
-            with torch.no_grad():
-                for b, saved in zip(self.model.buffers(), buffers, strict=True):
-                    b.copy_(saved)
-
-    def _inject_grad(self, site: str, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
-        self._faults.gradients(
-            site,
-            index=bucket.index(),
-            buffer=bucket.buffer(),
-            parameters=bucket.parameters(),
-            gradients=bucket.gradients(),
-            tensor=tensor,
-        )
-
-    def _forward_pre(self, _module: nn.Module, _args: Any) -> None:
-        if self._settling or not torch.is_grad_enabled():
-            return  # evaluation forwards are not steps
+    def forward_begins(self) -> None:
         if self._phase == DECIDED:
             raise SDCError(
                 "a training forward began before guard.after_optimizer_step(): finish the "
@@ -853,75 +604,16 @@ class Guard:
             )
         if self._phase == IDLE:
             self._begin()
-        self._audit.forward_starts()
+        for unit in self._units:
+            unit.on_forward(self._state)
 
-    def _comm_hook(
-        self, _state: object, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        if self._settling:  # the same arithmetic, nothing observed or injected
-            buffer.mul_(1.0 / self.world_size)
-            return (
-                dist.all_reduce(buffer, group=self.group, async_op=True)
-                .get_future()
-                .then(lambda f: f.value()[0])
-            )
+    def gradients_ready(self, bucket: GradientBucket) -> None:
         if self._phase == DECIDED:
             raise SDCError(
                 "a backward pass after before_optimizer_step(): the step's checks have run; "
                 "call after_optimizer_step() first"
             )
-        if self._faults:
-            self._inject_grad("grad_local", bucket, buffer)
-        self._audit.observe_bucket(bucket)
-        # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
-        # size), fused with check 1's look at every element: one pass over the bucket.
-        self._flags.scale_and_check(buffer, self.config.nonfinite_check)
-        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
-        if bucket.is_last() and self._flags_wanted:
-            self._flags.send(self.group)  # rides right behind the step's last bucket
-
-        if not self._faults:
-            return fut.then(lambda f: f.value()[0])
-
-        def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            reduced = f.value()[0]
-            self._inject_grad("grad_reduced", bucket, reduced)
-            return reduced
-
-        return fut.then(after)
-
-
-def _held_weakly(
-    guard: Guard,
-) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
-    """The comm hook DDP keeps: :meth:`Guard._comm_hook` through a weak reference.
-
-    DDP holds its hook from C++, where the garbage collector cannot see it. A hook that held
-    the Guard would make Guard -> model -> reducer -> hook -> Guard a cycle nothing frees: the
-    reducer, and with it the process group, would outlive ``destroy_process_group()``, and
-    gloo's worker threads would still be running when the interpreter exits (where torch
-    2.13 sometimes aborts the process: "terminate called without an active exception").
-    Once the Guard is gone the hook does what DDP does without one.
-    """
-    ref = weakref.ref(guard)
-    group, world_size = guard.group, guard.world_size
-
-    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        alive = ref()
-        if alive is not None:
-            return alive._comm_hook(state, bucket)
-        buffer = bucket.buffer()
-        buffer.mul_(1.0 / world_size)
-        return (
-            dist.all_reduce(buffer, group=group, async_op=True)
-            .get_future()
-            .then(lambda f: f.value()[0])
-        )
-
-    # DDP checks a hook's annotations by identity with the real types, and postponed
-    # evaluation (``from __future__ import annotations``) left strings there.
-    hook.__annotations__.update(
-        bucket=dist.GradBucket, state=object, **{"return": torch.futures.Future[torch.Tensor]}
-    )
-    return hook
+        if self._layout.faults:
+            self._layout.inject("grad_local", bucket, bucket.buffer())
+        for unit in self._units:
+            unit.on_gradients(bucket)

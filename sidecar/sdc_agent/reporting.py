@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -54,7 +54,8 @@ class GuardReporting:
         group: dist.ProcessGroup | None,
         comm_device: torch.device,
         run_id: str,
-        replayer_of: Callable[[], Mapping[int, int]],
+        replayer_of: Mapping[int, int],
+        check_seconds: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.topology = topology
@@ -82,8 +83,10 @@ class GuardReporting:
         if reporter is not None and not self.reports:
             reporter.close(timeout=0)
         self.identity = ReporterIdentity(rank=me.rank, node=me.node, pod=me.pod)
-        self.check_seconds: dict[str, float] = dict.fromkeys(CHECKS, 0.0)
-        """Seconds each check took since the last heartbeat."""
+        self.check_seconds = (
+            check_seconds if check_seconds is not None else dict.fromkeys(CHECKS, 0.0)
+        )
+        """Seconds each check took since the last heartbeat (the checks add to it)."""
         self._heartbeat_at = time.monotonic()
 
     def verdict_overdue(self) -> bool:
@@ -128,7 +131,8 @@ class GuardReporting:
                 )
             )
             self._heartbeat_at = tick
-            self.check_seconds = dict.fromkeys(self.check_seconds, 0.0)
+            for name in self.check_seconds:  # in place: the checks hold this dict
+                self.check_seconds[name] = 0.0
 
     def resumed(self, step: int, location: str | None) -> None:
         """The job restored a checkpoint of ``step``: a ``resume`` report."""
@@ -147,7 +151,7 @@ class GuardReporting:
         group_of = {r.rank: i for i, r in enumerate(self.topology.ranks)}
         suspects = [group_of[r] for r in v.suspect_ranks if r in group_of]
         nodes = [r.node for r in self.topology.ranks]
-        return elect_reporters(suspects, nodes, self._replayer_of(), self.config.verdict_reporters)
+        return elect_reporters(suspects, nodes, self._replayer_of, self.config.verdict_reporters)
 
     def _verdict_report(self, v: Verdict, now: float) -> VerdictReport:
         by_rank = {r.rank: r for r in self.topology.ranks}

@@ -84,7 +84,7 @@ def _is_a(obj: object, qualified_name: str) -> bool:
     ``torch.distributed.optim`` binds the default process group into a default argument
     when it is imported: imported after ``init_process_group`` (as a check here would),
     it holds that group for good, ``destroy_process_group()`` no longer ends it, and
-    gloo's threads outlive the training (see :func:`sdc_agent.guard._held_weakly`). An
+    gloo's threads outlive the training (see :func:`sdc_agent.layout._held_weakly`). An
     optimizer of one of its classes exists only once the user imported it anyway.
     """
     return any(f"{c.__module__}.{c.__qualname__}" == qualified_name for c in type(obj).__mro__)

@@ -1,0 +1,126 @@
+"""Check 3 as a unit: the replicas' weights (and optimizer state where cheap) compared by
+fingerprint every ``weights_every`` steps, after the optimizer step (the fingerprints and
+their comparison are :mod:`sdc_agent.weights`).
+
+The minority differs from the majority and is the suspect. Diverged weights stay diverged
+until the job restores a checkpoint: each new split is reported once, and no later step is
+clean.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .checks import CheckUnit, StepState
+from .errors import ConfigError
+from .topology import Topology
+from .verdict import Verdict
+from .weights import WeightFingerprints, keeps_replicas_apart
+
+__all__ = ["WeightCheck"]
+
+
+class WeightCheck(CheckUnit):
+    name = "weights"
+    vouches = True
+
+    def __init__(
+        self,
+        weights: WeightFingerprints,
+        *,
+        every: int,
+        topology: Topology,
+        group: dist.ProcessGroup | None,
+        comm_device: torch.device,
+        world_size: int,
+        seconds: dict[str, float],
+    ) -> None:
+        self.weights = weights
+        self.every = every
+        self.topology = topology
+        self.group = group
+        self.comm_device = comm_device
+        self.world_size = world_size
+        self._seconds = seconds
+        self.diverged = False
+        """Check 3 failed: the replicas' weights differ until a checkpoint is restored."""
+        self._reported: tuple[int, ...] = ()
+        self._checked = False
+
+    @staticmethod
+    def refuse(optimizer: torch.optim.Optimizer, every: int) -> None:
+        """Raise where the replicas are apart by design."""
+        if every > 0 and keeps_replicas_apart(optimizer):
+            raise ConfigError(
+                "weights_every: PostLocalSGDOptimizer keeps the replicas apart between its "
+                "averaging steps, so check 3 would accuse every rank; set weights_every=0"
+            )
+
+    @property
+    def blocks_clean(self) -> bool:
+        return self.diverged
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def after_step(self, state: StepState) -> None:
+        self._checked = self.due(state.step)
+        if not self._checked:
+            return
+        started = time.perf_counter()
+        verdict = self._compare(state)
+        self._seconds["weights"] += time.perf_counter() - started
+        if verdict is not None:
+            # Diverged weights stay diverged: report each new split once.
+            if verdict.suspect_ranks != self._reported:
+                state.verdicts.append(verdict)
+                self._reported = verdict.suspect_ranks
+            self.diverged = True
+
+    def vouched(self, state: StepState) -> bool:
+        return self._checked or self.every == 0
+
+    def restored(self, step: int) -> None:
+        self.diverged = False
+        self._reported = ()
+
+    def _compare(self, state: StepState) -> Verdict | None:
+        split, evidence = self.weights.compare(self.group, self.comm_device)
+        if split is None:
+            return None
+        topology = self.topology
+        suspects = tuple(topology.global_rank(r) for r in split.suspects)
+        differing = evidence.get("differing_tensors")
+        if isinstance(differing, dict):
+            evidence["differing_tensors"] = {
+                str(topology.global_rank(int(r))): names for r, names in differing.items()
+            }
+        if split.localized:
+            message = (
+                f"weights of rank(s) {', '.join(map(str, suspects))} differ from the "
+                f"majority of {self.world_size} replicas"
+            )
+        else:
+            message = (
+                f"replica weights differ and no majority agrees (ranks "
+                f"{', '.join(map(str, suspects))}): cannot tell which is wrong"
+            )
+        # A strict majority on at least two other nodes is independent evidence.
+        majority_nodes = {
+            topology.node_of(r) for r in range(self.world_size) if r not in split.suspects
+        } - set(topology.nodes_of(split.suspects))
+        return Verdict(
+            check="weights",
+            step=state.step,
+            classification="replica",
+            suspect_ranks=suspects,
+            suspect_nodes=topology.nodes_of(split.suspects),
+            localized=split.localized,
+            last_clean_step=state.last_clean_step,
+            message=message,
+            evidence=evidence,
+            corroborated=split.localized and len(majority_nodes) >= 2,
+        )

@@ -1,0 +1,271 @@
+"""Parallelism layouts: where a guarded job's gradients, replicas and collectives are.
+
+The checks (:mod:`sdc_agent.checks`) never look at the wrapper a job trains with; a layout
+adapter tells them. It owns the hooks on the model, the gradients' arithmetic and
+collectives, the step's device flags (:class:`~sdc_agent.nonfinite.StepFlags`, which ride
+right behind the step's last gradient collective) and the drill's gradient fault sites, and
+it calls its :class:`Coordinator` (the :class:`~sdc_agent.Guard`) when a training forward
+begins and when a bucket of local gradients is ready, before its collective.
+
+:class:`DDPLayout` is the first adapter: one data-parallel group in which every rank is a
+replica, gradients in DDP's buckets, all-reduced through DDP's communication hook. A
+sharded layout (FSDP2, HSDP) implements the same surface: gradients it hands to
+``on_gradients`` as :class:`GradientBucket` views, its own :meth:`ParallelLayout.no_sync`
+and flags, and, for check 3, which ranks hold replicas of what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import GuardConfig
+from .errors import ConfigError
+from .fault_sites import FaultSites
+from .faults import FaultInjector
+from .nonfinite import StepFlags
+from .replay import RngState
+
+__all__ = ["Coordinator", "DDPLayout", "GradientBucket", "ParallelLayout"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class GradientBucket(Protocol):
+    """Local gradients ready for their collective (DDP's ``GradBucket`` is one): a flat
+    buffer and, as views of it, the gradients of its parameters."""
+
+    def index(self) -> int: ...
+
+    def is_last(self) -> bool: ...
+
+    def buffer(self) -> torch.Tensor: ...
+
+    def parameters(self) -> Sequence[torch.Tensor]: ...
+
+    def gradients(self) -> Sequence[torch.Tensor]: ...
+
+
+class Coordinator(Protocol):
+    """What a layout calls back (the Guard)."""
+
+    def forward_begins(self) -> None:
+        """A training forward begins (grad mode on, not a settling pass)."""
+
+    def gradients_ready(self, bucket: GradientBucket) -> None:
+        """A bucket of local gradients, before any fault site or collective touched it."""
+
+
+class ParallelLayout(ABC):
+    """One layout's answers (see the module docstring)."""
+
+    name: str
+    model: nn.Module
+    """What the job trains (the wrapper)."""
+    module: nn.Module
+    """The unwrapped model whose parameters the checks read."""
+    group: dist.ProcessGroup | None
+    """The data-parallel group: every rank of it takes part in the checks' collectives."""
+    rank: int
+    group_rank: int
+    world_size: int
+    device: torch.device
+    """The model's device: where the step's flags live."""
+    comm_device: torch.device
+    """Where the checks' own collectives run (CUDA for NCCL, else the CPU)."""
+    flags: StepFlags
+    """The step's device flags, filled during backward, sent behind the last collective."""
+    flags_wanted: bool
+    """Whether the flags travel at all (check 1 on, or the halt flag in use)."""
+    faults: FaultSites
+
+    @abstractmethod
+    def attach(self, coordinator: Coordinator) -> None:
+        """Register the layout's hooks on the model."""
+
+    @abstractmethod
+    def detach(self) -> None:
+        """Remove the hooks that can be removed."""
+
+    @abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Backward passes inside accumulate without a collective."""
+
+    @abstractmethod
+    def syncs_gradients(self) -> bool:
+        """The next backward runs the gradient collective."""
+
+    def settle(self, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
+        """Before the first step after a restore: whatever makes that step bitwise the
+        step an uninterrupted run took (nothing by default)."""
+        return
+
+
+class DDPLayout(ParallelLayout):
+    """``DistributedDataParallel``: one replica per rank, DDP's buckets, its comm hook."""
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, config: GuardConfig) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise ConfigError(
+                f"model: must be wrapped in torch.nn.parallel.DistributedDataParallel, "
+                f"got {type(model).__name__}"
+            )
+        self.model = model
+        self.module = model.module
+        self.config = config
+        self.group = getattr(model, "process_group", None)
+        self.rank = dist.get_rank()
+        self.group_rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        first = next(model.module.parameters(), None)
+        # Not the current CUDA device, which is cuda:0 on every rank that never called
+        # set_device.
+        self.device = first.device if first is not None else torch.device("cpu")
+        backend = str(dist.get_backend(self.group))
+        if "nccl" in backend and self.device.type != "cuda":
+            raise ConfigError(f"model: an NCCL group needs the model on CUDA, got {self.device}")
+        self.comm_device = self.device if "nccl" in backend else torch.device("cpu")
+        self.flags = StepFlags(self.world_size, self.group_rank, self.device)
+        self.flags_wanted = config.nonfinite_check
+        self.injector = FaultInjector(config.faults, self.rank)
+        self.faults = FaultSites(self.injector, self.module)
+        self._settling = False  # in settle: the hook only all-reduces
+        self._coordinator: Coordinator | None = None
+        self._forward_handle: Any = None
+
+    def attach(self, coordinator: Coordinator) -> None:
+        self.injector.attach(self.module)
+        self._coordinator = coordinator
+        self.model.register_comm_hook(state=None, hook=_held_weakly(self))  # type: ignore[operator]
+        self._forward_handle = self.model.register_forward_pre_hook(self._forward_pre)
+
+    def detach(self) -> None:
+        # The comm hook stays with DDP (a model's hook cannot be removed); once this layout
+        # is gone it does what DDP does without one.
+        self.injector.detach()
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.model.no_sync()  # type: ignore[operator]
+
+    def syncs_gradients(self) -> bool:
+        return bool(getattr(self.model, "require_backward_grad_sync", True))
+
+    def settle(self, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
+        """One forward and backward that is not a step, so DDP rebuilds its buckets before
+        the first real step after a restore: gradients, RNG and buffers (BatchNorm
+        statistics) are put back, no check runs, no step is counted.
+
+        A fresh DDP model reduces its first step's gradients in its initial bucket layout,
+        then rebuilds the buckets in the order gradients became ready. The all-reduce sums
+        element by element in an order that depends on the element's place in the bucket,
+        so (with more than two ranks) that first step is not bitwise the step an
+        uninterrupted run took at this point."""
+        rng = RngState.capture(self.device)  # the model's generator, not cuda:0's
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        self._settling = True
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(self.model, batch).backward()
+        finally:
+            self._settling = False
+            optimizer.zero_grad(set_to_none=True)
+            rng.restore(self.device)
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers, strict=True):
+                    b.copy_(saved)
+
+    def inject(self, site: str, bucket: GradientBucket, tensor: torch.Tensor) -> None:
+        """The drill's faults of ``site`` into ``tensor`` (the bucket's buffer, or the
+        collective's result)."""
+        self.faults.gradients(
+            site,
+            index=bucket.index(),
+            buffer=bucket.buffer(),
+            parameters=bucket.parameters(),
+            gradients=bucket.gradients(),
+            tensor=tensor,
+        )
+
+    def _forward_pre(self, _module: nn.Module, _args: Any) -> None:
+        if self._settling or not torch.is_grad_enabled():
+            return  # evaluation forwards are not steps
+        assert self._coordinator is not None
+        self._coordinator.forward_begins()
+
+    def _comm_hook(
+        self, _state: object, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if self._settling:  # the same arithmetic, nothing observed or injected
+            buffer.mul_(1.0 / self.world_size)
+            return (
+                dist.all_reduce(buffer, group=self.group, async_op=True)
+                .get_future()
+                .then(lambda f: f.value()[0])
+            )
+        assert self._coordinator is not None
+        self._coordinator.gradients_ready(bucket)  # GradBucket is a GradientBucket
+        # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
+        # size), fused with check 1's look at every element: one pass over the bucket.
+        self.flags.scale_and_check(buffer, self.config.nonfinite_check)
+        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        if bucket.is_last() and self.flags_wanted:
+            self.flags.send(self.group)  # rides right behind the step's last bucket
+
+        if not self.faults:
+            return fut.then(lambda f: f.value()[0])
+
+        def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = f.value()[0]
+            self.inject("grad_reduced", bucket, reduced)
+            return reduced
+
+        return fut.then(after)
+
+
+def _held_weakly(
+    layout: DDPLayout,
+) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """The comm hook DDP keeps: :meth:`DDPLayout._comm_hook` through a weak reference.
+
+    DDP holds its hook from C++, where the garbage collector cannot see it. A hook that held
+    the layout would make layout -> model -> reducer -> hook -> layout a cycle nothing frees:
+    the reducer, and with it the process group, would outlive ``destroy_process_group()``,
+    and gloo's worker threads would still be running when the interpreter exits (where
+    torch 2.13 sometimes aborts the process: "terminate called without an active
+    exception"). Once the layout (with its Guard) is gone the hook does what DDP does
+    without one.
+    """
+    ref = weakref.ref(layout)
+    group, world_size = layout.group, layout.world_size
+
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        alive = ref()
+        if alive is not None:
+            return alive._comm_hook(state, bucket)
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / world_size)
+        return (
+            dist.all_reduce(buffer, group=group, async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0])
+        )
+
+    # DDP checks a hook's annotations by identity with the real types, and postponed
+    # evaluation (``from __future__ import annotations``) left strings there.
+    hook.__annotations__.update(
+        bucket=dist.GradBucket, state=object, **{"return": torch.futures.Future[torch.Tensor]}
+    )
+    return hook
