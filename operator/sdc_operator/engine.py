@@ -105,6 +105,7 @@ class IncidentEngine:
         self._extra: dict[Key, int] = {}
         self._agreed_at: dict[Key, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._pass: asyncio.Task[None] | None = None
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -698,17 +699,34 @@ class IncidentEngine:
 
     def resync(self) -> None:
         """Drive every unfinished incident (after a restart, a change of leader or a
-        failed action)."""
+        failed action). Where no counted pass is in progress, this resync starts one:
+        ``hyperpod_sdc_resyncs_total`` goes up once every reconcile it drove has ended
+        (counted passes never overlap, so two increments after a moment mean a whole pass
+        began and ended after it)."""
         if not self.leader:
             return
+        driven: list[asyncio.Task[None]] = []
         for incident in self.caches.incidents.values():
             meta = incident["metadata"]
             if incidents.pending_actions(incident, self.rules_for(meta["namespace"])):
                 self.schedule(meta["namespace"], meta["name"])
+                task = self._reconciles.get((meta["namespace"], meta["name"]))
+                if task is not None:
+                    driven.append(task)
         self.refresh_quarantined()
+        if self._pass is None or self._pass.done():
+            self._pass = asyncio.get_running_loop().create_task(self._count_pass(driven))
+
+    async def _count_pass(self, driven: list[asyncio.Task[None]]) -> None:
+        if driven:
+            await asyncio.wait(driven)
+        if self.leader:
+            self.metrics.resyncs.inc()
 
     async def close(self) -> None:
         tasks = [*self._reconciles.values(), *self._flushers.values(), *self._background]
+        if self._pass is not None:
+            tasks.append(self._pass)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

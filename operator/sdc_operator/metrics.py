@@ -84,6 +84,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.resyncs = Counter(
+            "hyperpod_sdc_resyncs",
+            "Resync passes the leader completed: every unfinished incident driven as far as "
+            "it goes for now (a pass starts only once the one before it has ended).",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "hyperpod_sdc_reports_in_flight", "Reports being processed.", registry=r
         )

@@ -411,6 +411,27 @@ class OperatorProcess:
         ) as response:
             return str(response.read().decode())
 
+    def sample(self, name: str) -> float:
+        """The sum of a metric's samples in ``/metrics`` (0 while it has none)."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith((f"{name} ", f"{name}{{")):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def resynced(self, passes: int = 1, timeout: float = 30.0) -> None:
+        """Wait until ``passes`` whole resync passes of the leader began and ended after
+        now: each unfinished incident driven as far as it goes, so what a test then finds
+        not done was not going to be done (``hyperpod_sdc_resyncs_total``; counted passes
+        never overlap, so the first increment may be a pass already under way and is not
+        counted). Instead of sleeping a fixed time before asserting that nothing happened."""
+        start = self.sample("hyperpod_sdc_resyncs_total")
+        wait_for(
+            f"{passes} resync pass(es) of the operator",
+            lambda: self.sample("hyperpod_sdc_resyncs_total") >= start + passes + 1,
+            timeout,
+        )
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()

@@ -401,7 +401,7 @@ def test_approve_leads_the_operator_to_replace_the_node(
     contain(cluster, op, job)
     incident = incident_in(cluster, namespace, "Contained")
     name = incident["metadata"]["name"]
-    time.sleep(1.5)  # a resync: the manual policy waits for a person
+    op.resynced()  # a whole resync: the manual policy waits for a person
     assert sagemaker.calls == []
     described = sdc(cluster, "describe", name, "-n", namespace)
     assert "SDCNodeQuarantined on Node" in described.stdout, described.stdout
@@ -415,7 +415,7 @@ def test_approve_leads_the_operator_to_replace_the_node(
         return found[0] if found else None
 
     wait_for("phase Remediated", remediated)
-    time.sleep(1.5)
+    op.resynced()  # nothing is called again
     assert sagemaker.calls == [
         ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
     ]

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -254,7 +253,7 @@ def test_auto_replace_confirmed_replaces_only_the_confirmed_node(
     bundle = bundle_in(checkpoints)
     contain(cluster, op, bad, bundle)
     contain(cluster, op, good, bundle)
-    time.sleep(2)  # two resyncs: nothing is replaced before a confirmation says so
+    op.resynced(2)  # two whole resyncs: nothing is replaced before a confirmation says so
     assert sagemaker.calls == []
     assert (
         kubelet.run(
@@ -273,7 +272,7 @@ def test_auto_replace_confirmed_replaces_only_the_confirmed_node(
         "the replacement",
         lambda: (incident_of(cluster, namespace, "bad") or {})["status"]["phase"] == "Remediated",
     )
-    time.sleep(2)
+    op.resynced(2)  # nothing else is replaced
     assert sagemaker.calls == [
         ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [bad.instance(1)]})
     ]

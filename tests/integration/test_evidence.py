@@ -46,7 +46,7 @@ def test_a_transient_fault_quarantines_nothing_until_the_node_is_caught_again(
     op = start_operator()
     before = snapshot(cluster, job)
     assert report_twice(cluster, op, job, transient=True) == ["WaitingForAgreement", "Transient"]
-    time.sleep(2)  # two resyncs: still nothing done
+    op.resynced(2)  # two whole resyncs: still nothing done
     assert snapshot(cluster, job)[1:] == before[1:]
     (first,) = cluster.incidents(namespace)
     assert first["status"]["phase"] == "Transient" and not first["status"].get("actions")
@@ -79,7 +79,7 @@ def test_a_repeat_outside_the_window_is_still_transient(
     op = start_operator(repeat_window_steps="1000")
     report_twice(cluster, op, job, transient=True)
     report_twice(cluster, op, job, transient=True, step=1500, last_clean_step=1490)
-    time.sleep(2)
+    op.resynced(2)
     assert sorted(incidents_by_phase(cluster, namespace)) == ["Transient"]
     assert len(cluster.incidents(namespace)) == 2
     assert not quarantined(cluster, job.node_name(1))
@@ -101,13 +101,13 @@ def test_uncorroborated_verdicts_wait_for_evidence(
     )
     assert (status, answer["phase"]) == (202, "AwaitingEvidence")  # a third node adds nothing
     assert report_twice(cluster, op, replay, corroborated=False)[1] == "AwaitingEvidence"
-    time.sleep(2)
+    op.resynced(2)
     assert [snapshot(cluster, j)[1:] for j in (nonfinite, replay)] == [b[1:] for b in before]
     assert sorted(incidents_by_phase(cluster, namespace)) == ["AwaitingEvidence"]
     report_twice(cluster, op, nonfinite, check="nonfinite", step=30, last_clean_step=20)
     report_twice(cluster, op, replay, corroborated=False, step=30, last_clean_step=20)
     wait_for("the replay repeat quarantined", lambda: quarantined(cluster, replay.node_name(1)))
-    time.sleep(2)
+    op.resynced(2)
     assert not quarantined(cluster, nonfinite.node_name(1))
     held = [
         i

@@ -86,7 +86,7 @@ def test_replace_once_while_the_incident_is_annotated_every_20_ms(
     contain(cluster, op, job)
     incident = phase(cluster, namespace, "Remediated")
     thread.join()
-    time.sleep(2)  # two resyncs: nothing is called again
+    op.resynced(2)  # two whole resyncs: nothing is called again
     assert pokes[0] > 20
     assert sagemaker.count(REPLACE) == 1, sagemaker.calls
     replaced = [a for a in incident["status"]["actions"] if a["action"] == "replace-node"]
@@ -107,7 +107,7 @@ def test_a_conflict_right_after_the_call_does_not_repeat_it(
         op = start_operator(**auto_replace(cluster, namespace, fake))
         contain(cluster, op, job)
         incident = phase(cluster, namespace, "Remediated")
-        time.sleep(2)
+        op.resynced(2)
     finally:
         fake.stop()
     assert fake.invalid == []
@@ -127,7 +127,7 @@ def test_a_call_whose_answer_is_lost_is_verified_not_repeated(
         op = start_operator(**auto_replace(cluster, namespace, fake))
         contain(cluster, op, job)
         incident = phase(cluster, namespace, "Remediated")
-        time.sleep(2)  # two resyncs: nothing is called again
+        op.resynced(2)  # two whole resyncs: nothing is called again
     finally:
         fake.stop()
     assert fake.invalid == []
@@ -156,9 +156,9 @@ def test_killed_while_the_call_is_in_flight(
         assert called.wait(20), "BatchReplaceClusterNodes was never called"
         op.kill()  # SIGKILL while the call is in flight: its answer is never read
         answer.set()
-        start_operator(**settings, remediation_verify_seconds="30")
+        restarted = start_operator(**settings, remediation_verify_seconds="30")
         incident = phase(cluster, namespace, "Remediated")
-        time.sleep(2)
+        restarted.resynced(2)
     finally:
         answer.set()
         fake.stop()
@@ -248,9 +248,11 @@ def test_restarted_at_each_step_of_a_replace_calls_once(
     if shutting_down:
         sagemaker.status[job.instance(1)] = "ShuttingDown"
     stage_replace(cluster, job, record)
-    start_operator(**auto_replace(cluster, namespace, sagemaker), remediation_verify_seconds="1")
+    op = start_operator(
+        **auto_replace(cluster, namespace, sagemaker), remediation_verify_seconds="1"
+    )
     incident = phase(cluster, namespace, "Remediated") if record["result"] == "Pending" else None
-    time.sleep(3)  # past the verify period and two resyncs
+    op.resynced(2)  # two whole resyncs (and past the 1 s verify period)
     assert sagemaker.count(REPLACE) == calls, f"{step}: {sagemaker.calls}"
     current = cluster.incidents(namespace)[0]
     replaced = [a for a in current["status"]["actions"] if a["action"] == "replace-node"]

@@ -240,7 +240,7 @@ def test_one_node_is_not_enough(
     status, answer, _ = send(cluster, op, job, 0, verdict(job, 0))
     assert (status, answer["phase"]) == (202, "WaitingForAgreement")
     incident = incident_in(cluster, namespace, "WaitingForAgreement")
-    time.sleep(2)  # a resync or two: still nothing done
+    op.resynced(2)  # two whole resyncs: still nothing done
     assert snapshot(cluster, job)[1:] == before[1:]
     assert not (cluster.incidents(namespace)[0]["status"].get("actions"))
     assert incident["status"]["conditions"][0]["type"] == "Detected"
@@ -294,7 +294,7 @@ def test_training_problem_accuses_nobody(
             op.url, json.dumps(body), cluster.token(namespace, job.pods[reporter])
         )
         assert (status, answer.get("phase")) == (202, "NotHardware"), answer
-    time.sleep(1.5)
+    op.resynced()
     assert snapshot(cluster, job)[1:] == before[1:]
     (incident,) = cluster.incidents(namespace)
     assert incident["status"]["phase"] == "NotHardware"

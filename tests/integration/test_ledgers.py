@@ -6,7 +6,6 @@ process then runs against the real API server and the loopback SageMaker endpoin
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -152,9 +151,9 @@ def test_a_resume_waits_for_the_jobs_other_holding_incident(
         actions=[entry("suspend-job", target, "Succeeded", "set runPolicy.suspend=true", ago(90))],
         phase="Detected",
     )
-    start_operator()
+    op = start_operator()
     resume = decided(cluster, namespace, first)
-    time.sleep(2)  # two resyncs
+    op.resynced(2)  # two whole resyncs
     assert (resume["result"], resume.get("message", "")[:12]) == ("Skipped", "incident(s) "), resume
     assert second in resume["message"]
     found = incident(cluster, namespace, first)
@@ -199,9 +198,9 @@ def test_a_resume_left_pending_by_a_crash_does_not_lift_another_incidents_stop(
     )
     assert first == first_name
     second = not_localized(cluster, job, ago(60))
-    start_operator()
+    op = start_operator()
     resume = decided(cluster, namespace, first)
-    time.sleep(2)
+    op.resynced(2)
     assert resume["result"] == "Skipped" and second in resume["message"], resume
     assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
 
@@ -291,13 +290,13 @@ def test_an_unanswered_replace_counts_as_made_for_the_nodes_second_incident(
             lambda: len(replaces(cluster, namespace)) == 2 or None,
             timeout=30,
         )
-        time.sleep(3)  # several resyncs and verifications
+        op.resynced(3)  # three whole resyncs, each verifying
         assert fake.count(REPLACE) == 1, fake.calls
         assert [a["result"] for a in replaces(cluster, namespace)] == ["Pending", "Pending"]
         fake.on_call = None
         fake.status[instance] = "ShuttingDown"  # SageMaker shows the replacement now
         remediated_both(cluster, namespace)
-        time.sleep(2)
+        op.resynced(2)
     finally:
         fake.stop()
     assert fake.invalid == []
@@ -344,16 +343,16 @@ def test_an_unanswered_replace_counts_as_made_after_a_restart(
         "kubeflow.org", "v1", namespace, "pytorchjobs", job.name,
         {"spec": {"runPolicy": {"suspend": True}}},
     )  # fmt: skip
-    start_operator(**auto_replace(cluster, namespace, sagemaker))
+    op = start_operator(**auto_replace(cluster, namespace, sagemaker))
     wait_for(
         "the second incident at its replace",
         lambda: len(replaces(cluster, namespace)) == 2 or None,
         timeout=30,
     )
-    time.sleep(3)
+    op.resynced(3)
     assert sagemaker.count(REPLACE) == 0, sagemaker.calls
     sagemaker.status[job.instance(1)] = "ShuttingDown"  # A's call had reached SageMaker
     remediated_both(cluster, namespace)
-    time.sleep(2)
+    op.resynced(2)
     assert sagemaker.count(REPLACE) == 0, sagemaker.calls
     assert [a["result"] for a in replaces(cluster, namespace)] == ["Succeeded", "Succeeded"]

@@ -3,7 +3,6 @@ calls go to a loopback SageMaker endpoint that checks them against botocore's mo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,13 +62,13 @@ def test_manual_approval_then_replace_calls_the_api_once(
     op = start_operator(extra_env=sagemaker.env())
     contain(cluster, op, job)
     incident = incident_in(cluster, namespace, "Contained")
-    time.sleep(2)  # two resyncs: the manual policy waits for a person
+    op.resynced(2)  # two whole resyncs: the manual policy waits for a person
     assert sagemaker.calls == []
     annotate(cluster, incident, "replace")
     incident = phase(cluster, namespace, "Remediated")
     remediated = next(c for c in incident["status"]["conditions"] if c["type"] == "Remediated")
     assert (remediated["status"], remediated["reason"]) == ("True", "ReplaceRequested")
-    time.sleep(2)
+    op.resynced()  # nothing is called again
     assert sagemaker.calls == [
         ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
     ]
@@ -284,7 +283,7 @@ def test_two_incidents_of_one_node_replace_it_once(
         return found if len(found) == 2 else None
 
     both = wait_for("both incidents remediated", remediated)
-    time.sleep(2)
+    op.resynced(2)
     assert sagemaker.calls == [
         ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
     ]

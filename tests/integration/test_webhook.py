@@ -313,8 +313,10 @@ def test_other_pods_are_untouched_and_most_are_never_sent(
     job = make_job(cluster, namespace, "llama")
     unlabelled = create_pod(cluster, namespace, "by-hand", job, labels={"app": "x"})
     plain = create_pod(cluster, namespace, "web", None, labels={})
-    time.sleep(1)
-    assert s.reviews() == before + 1  # the selectors never sent the other two
+    # a labelled pod after them: once its review is counted, theirs would have been too
+    create_pod(cluster, namespace, "plain-worker-1", not_in)
+    wait_for("the last pod's review", lambda: s.reviews() >= before + 2)
+    assert s.reviews() == before + 2  # the selectors never sent the other two
     for pod in (sent, unlabelled, plain):
         assert not (pod["metadata"].get("annotations") or {}), pod["metadata"]["name"]
         assert all("env" not in c for c in pod["spec"]["containers"])

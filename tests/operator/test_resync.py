@@ -1,0 +1,106 @@
+"""The resync counter (``hyperpod_sdc_resyncs_total``) that the integration tests wait on
+before asserting that nothing happened: it goes up only once every reconcile a pass drove
+has ended, and counted passes never overlap."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from sdc_operator import engine as engine_module
+from sdc_operator.engine import IncidentEngine
+from sdc_operator.metrics import Metrics
+from sdc_operator.settings import OperatorSettings
+
+
+class Incidents:
+    def __init__(self, *names: str) -> None:
+        self.items = [{"metadata": {"namespace": "ml", "name": n}} for n in names]
+
+    def values(self) -> list[dict[str, Any]]:
+        return self.items
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next((i for i in self.items if i["metadata"]["name"] == name), None)
+
+
+class Caches:
+    def __init__(self, *names: str) -> None:
+        self.incidents = Incidents(*names)
+        self.policies = type("P", (), {"values": lambda _self: []})()
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        return {}
+
+
+def passes(metrics: Metrics) -> float:
+    value = metrics.registry.get_sample_value("hyperpod_sdc_resyncs_total")
+    assert value is not None
+    return value
+
+
+def test_a_pass_counts_once_every_reconcile_it_drove_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module.incidents, "pending_actions", lambda *_: True)
+    metrics = Metrics()
+    nothing: Any = None
+    fake: Any = Caches("a", "b")
+    engine = IncidentEngine(OperatorSettings(), metrics, fake, records=nothing, containment=nothing)
+    engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
+    release = {"a": asyncio.Event(), "b": asyncio.Event()}
+    reconciled: list[str] = []
+
+    async def reconcile(namespace: str, name: str) -> None:
+        await release[name].wait()
+        reconciled.append(name)
+
+    engine.reconcile = reconcile  # type: ignore[method-assign]
+
+    async def go() -> list[tuple[float, list[str]]]:
+        seen = []
+        engine.leader = True
+        engine.resync()  # pass 1 drives a and b
+        await asyncio.sleep(0.01)
+        seen.append((passes(metrics), list(reconciled)))
+        release["a"].set()
+        await asyncio.sleep(0.01)
+        engine.resync()  # pass 1 still waits for b: this resync starts no counted pass
+        await asyncio.sleep(0.01)
+        seen.append((passes(metrics), list(reconciled)))
+        release["b"].set()
+        await asyncio.sleep(0.01)
+        seen.append((passes(metrics), list(reconciled)))
+        engine.resync()  # pass 2: both reconcile again at once
+        await asyncio.sleep(0.01)
+        seen.append((passes(metrics), list(reconciled)))
+        await engine.close()
+        return seen
+
+    assert asyncio.run(go()) == [
+        (0.0, []),
+        (0.0, ["a", "a"]),  # the second resync drove a again (it had ended)
+        (1.0, ["a", "a", "b", "b"]),  # and b once more after its first (marked dirty)
+        (2.0, ["a", "a", "b", "b", "a", "b"]),
+    ]
+
+
+def test_the_clean_run_a_pass_with_nothing_to_drive_counts_at_once() -> None:
+    metrics = Metrics()
+    nothing: Any = None
+    fake: Any = Caches()
+    engine = IncidentEngine(OperatorSettings(), metrics, fake, records=nothing, containment=nothing)
+    engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
+
+    async def go() -> float:
+        engine.resync()  # not the leader: nothing, not even a count
+        await asyncio.sleep(0)
+        assert passes(metrics) == 0
+        engine.leader = True
+        engine.resync()
+        await asyncio.sleep(0)
+        return passes(metrics)
+
+    assert asyncio.run(go()) == 1.0
