@@ -713,25 +713,29 @@ class ReplayAudit:
             )
         return out
 
-    def replay_nonfinite(self, suspects: Sequence[int]) -> dict[int, tuple[bool, bool]]:
+    def replay_nonfinite(
+        self, suspects: Sequence[int], payload: Payload | None = None
+    ) -> dict[int, tuple[bool, bool]]:
         """Replay each suspect's micro-batch on its ring partner's node, and on the suspect
-        itself once more. A collective.
+        itself once more. A collective. ``payload``: the micro-batch of an earlier step
+        whose flags are read late (default: this step's).
 
         Returns, per suspect that could be replayed, ``(non-finite elsewhere, non-finite
         again on the suspect)``: elsewhere too means the data or the model, not hardware.
         """
         me = self.me
+        payload = self.payload if payload is None else payload
         targets = {p: self.replayer_of[p] for p in suspects if p in self.replayer_of}
         sends = {}
-        if me in targets and self.payload is not None:
-            sends = {targets[me]: self.payload.to_bytes()}
+        if me in targets and payload is not None:
+            sends = {targets[me]: payload.to_bytes()}
         sources = [p for p, r in targets.items() if r == me]
         received = exchange(sends, sources, self.group, self.comm_device)
         row = torch.full((2,), -1.0, dtype=torch.float64)
         for p in sources:
             row[0] = float(self._recompute(Payload.from_bytes(received[p])).nonfinite)
-        if me in targets and self.payload is not None:
-            row[1] = float(self._recompute(self.payload).nonfinite)
+        if me in targets and payload is not None:
+            row[1] = float(self._recompute(payload).nonfinite)
         flags = self._gather(row)
         return {
             p: (bool(flags[r][0]), bool(flags[p][1]))

@@ -9,15 +9,25 @@ same micro-batch non-finite there too is the data or the model, not hardware.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .audit import ReplayAudit
 from .checks import CheckUnit, StepState
 from .nonfinite import NonFiniteFinding, classify_nonfinite
+from .replay import Payload
 from .topology import Topology
 from .verdict import Verdict
 
-__all__ = ["NonFiniteCheck"]
+__all__ = ["LateMicroBatch", "NonFiniteCheck"]
+
+
+@dataclass(frozen=True, slots=True)
+class LateMicroBatch:
+    """The micro-batch of a step whose flags are judged during the next step."""
+
+    payload: Payload | None
+    micro_batches: int
 
 
 class NonFiniteCheck(CheckUnit):
@@ -32,22 +42,29 @@ class NonFiniteCheck(CheckUnit):
         self.scaled = scaled
         """A GradScaler drives the steps: an overflow on every rank is its business."""
 
-    def judge(self, state: StepState, before: list[bool]) -> None:
+    def judge(
+        self, state: StepState, before: list[bool], late: LateMicroBatch | None = None
+    ) -> None:
         """The flags of ``state``'s step reached the host: ``before[r]``, rank ``r``'s
         local gradients were not finite. A collective when one rank alone was (the
-        replay on another node)."""
+        replay on another node). ``late``: the step's micro-batch, where its flags are
+        read during the next step (the audit holds that step's by then)."""
         if not self.enabled:
             return
         finding = classify_nonfinite(before)
         if finding is None:
             return
         state.hold = True
-        verdict = self._verdict(state, finding, before)
+        verdict = self._verdict(state, finding, before, late)
         if verdict is not None:
             state.verdicts.append(verdict)
 
     def _verdict(
-        self, state: StepState, finding: NonFiniteFinding, before: list[bool]
+        self,
+        state: StepState,
+        finding: NonFiniteFinding,
+        before: list[bool],
+        late: LateMicroBatch | None,
     ) -> Verdict | None:
         topology = self.topology
         evidence: dict[str, Any] = {
@@ -64,15 +81,17 @@ class NonFiniteCheck(CheckUnit):
         corroborated: bool | None = None
         transient: bool | None = None
         audit = self.audit
+        payload = audit.payload if late is None else late.payload
+        micro_batches = audit.micro_batches if late is None else late.micro_batches
         if classification == "rank":
             corroborated = False
-            if audit.payload is None:
+            if payload is None:
                 evidence["replayed_elsewhere_nonfinite"] = "not replayed: no micro-batch"
-            elif audit.micro_batches > 1:
+            elif micro_batches > 1:
                 # Only the first micro-batch travels: a replay of it says nothing about the rest.
                 evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
             elif audit.loss_fn is not None:
-                replayed = audit.replay_nonfinite(suspects)
+                replayed = audit.replay_nonfinite(suspects, payload)
                 evidence["replayed_elsewhere_nonfinite"] = {
                     str(topology.global_rank(p)): bad for p, (bad, _) in replayed.items()
                 }

@@ -5,6 +5,13 @@ their comparison are :mod:`sdc_agent.weights`).
 The minority differs from the majority and is the suspect. Diverged weights stay diverged
 until the job restores a checkpoint: each new split is reported once, and no later step is
 clean.
+
+With ``overlap`` (the Guard sets it on CUDA), a check step's fingerprints are taken after
+its optimizer step and their exchange runs during the next step's forward and backward:
+the next step's :meth:`~WeightCheck.before_step` reads the result, before that step's
+optimizer step, and holds it back on a mismatch. The checked step then counts toward
+``last_clean_step`` from there (from :meth:`Guard.mark_checkpoint` too, where the words
+agree).
 """
 
 from __future__ import annotations
@@ -18,7 +25,12 @@ from .checks import CheckUnit, StepState
 from .errors import ConfigError
 from .topology import Topology
 from .verdict import Verdict
-from .weights import WeightFingerprints, keeps_replicas_apart
+from .weights import (
+    MajoritySplit,
+    PendingComparison,
+    WeightFingerprints,
+    keeps_replicas_apart,
+)
 
 __all__ = ["WeightCheck"]
 
@@ -49,6 +61,10 @@ class WeightCheck(CheckUnit):
         """Check 3 failed: the replicas' weights differ until a checkpoint is restored."""
         self._reported: tuple[int, ...] = ()
         self._checked = False
+        self.overlap = False
+        """Finish a check step's exchange during the next step (see the module docstring)."""
+        self._pending: tuple[StepState, PendingComparison] | None = None
+        self._settled: tuple[int, bool] | None = None
 
     @staticmethod
     def refuse(optimizer: torch.optim.Optimizer, every: int) -> None:
@@ -71,14 +87,52 @@ class WeightCheck(CheckUnit):
         if not self._checked:
             return
         started = time.perf_counter()
-        verdict = self._compare(state)
+        if self.overlap:
+            self._pending = (state, self.weights.start(self.group, self.comm_device))
+            self._seconds["weights"] += time.perf_counter() - started
+            return
+        verdict = self._verdict(state, *self.weights.compare(self.group, self.comm_device))
         self._seconds["weights"] += time.perf_counter() - started
         if verdict is not None:
-            # Diverged weights stay diverged: report each new split once.
-            if verdict.suspect_ranks != self._reported:
-                state.verdicts.append(verdict)
-                self._reported = verdict.suspect_ranks
-            self.diverged = True
+            self._diverged(verdict, state.verdicts)
+
+    def before_step(self, state: StepState) -> None:
+        """The previous check step's exchange, overlapped with this step's forward and
+        backward: a mismatch holds this step back. A collective on a mismatch."""
+        found = self.finish_pending()
+        if found is not None:
+            state.hold = True
+            state.late_verdicts.extend(found)
+
+    def finish_pending(self) -> list[Verdict] | None:
+        """Finish an overlapped exchange: ``None`` where there was none or the replicas
+        agree, else the verdicts to report (none for a split already reported)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        checked, comparison = pending
+        started = time.perf_counter()
+        verdict = self._verdict(checked, *comparison.finish())
+        self._seconds["weights"] += time.perf_counter() - started
+        self._settled = (checked.step, verdict is None)
+        if verdict is None:
+            return None
+        found: list[Verdict] = []
+        self._diverged(verdict, found)
+        return found
+
+    def agree_pending(self) -> None:
+        """Where an overlapped exchange shows every replica agreeing, settle it now (not a
+        collective; a mismatch waits for the next step's checks)."""
+        if self._pending is not None and self._pending[1].agree():
+            self.finish_pending()
+
+    def awaits(self, state: StepState) -> bool:
+        return self._pending is not None and self._pending[0] is state
+
+    def settled(self) -> tuple[int, bool] | None:
+        settled, self._settled = self._settled, None
+        return settled
 
     def vouched(self, state: StepState) -> bool:
         return self._checked or self.every == 0
@@ -86,9 +140,19 @@ class WeightCheck(CheckUnit):
     def restored(self, step: int) -> None:
         self.diverged = False
         self._reported = ()
+        self._pending = None
+        self._settled = None
 
-    def _compare(self, state: StepState) -> Verdict | None:
-        split, evidence = self.weights.compare(self.group, self.comm_device)
+    def _diverged(self, verdict: Verdict, verdicts: list[Verdict]) -> None:
+        # Diverged weights stay diverged: report each new split once.
+        if verdict.suspect_ranks != self._reported:
+            verdicts.append(verdict)
+            self._reported = verdict.suspect_ranks
+        self.diverged = True
+
+    def _verdict(
+        self, state: StepState, split: MajoritySplit | None, evidence: dict[str, object]
+    ) -> Verdict | None:
         if split is None:
             return None
         topology = self.topology

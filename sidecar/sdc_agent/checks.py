@@ -39,6 +39,9 @@ class StepState:
     step: int
     last_clean_step: int
     verdicts: list[Verdict] = field(default_factory=list)
+    late_verdicts: list[Verdict] = field(default_factory=list)
+    """Verdicts of the previous step whose flags were read during this one (shown in this
+    step's result; they do not block it)."""
     hold: bool = False
     """A check found the step bad on the host: it is not applied."""
     applied: torch.Tensor | bool = False
@@ -79,6 +82,15 @@ class CheckUnit:
     def vouched(self, state: StepState) -> bool:
         """Whether this check verified the step (asked only when no check blocked it)."""
         return True
+
+    def awaits(self, state: StepState) -> bool:
+        """Whether the check's verdict on ``state``'s step comes later (an exchange that
+        overlaps the next step); :meth:`settled` then says how it went."""
+        return False
+
+    def settled(self) -> tuple[int, bool] | None:
+        """Once, after the result of an awaited step came: ``(step, passed)``."""
+        return None
 
     def restored(self, step: int) -> None:
         """The job restored a checkpoint of ``step``."""

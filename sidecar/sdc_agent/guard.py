@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -26,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .audit import ReplayAudit, ReplayStats
 from .bundling import EvidenceKeeper
-from .check_nonfinite import NonFiniteCheck
+from .check_nonfinite import LateMicroBatch, NonFiniteCheck
 from .check_replay import ReplayCheck
 from .check_weights import WeightCheck
 from .checkpoint import mark_checkpoint
@@ -36,11 +37,12 @@ from .errors import ConfigError, OperatorUnreachableError, SDCError
 from .fingerprint import Fingerprinter
 from .gate import StepGate
 from .layout import DDPLayout, GradientBucket
+from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
 from .reporting import CHECKS, GuardReporting
 from .topology import Topology, exchange_identities, local_node_name
-from .verdict import StepResult
+from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints
 
 __all__ = ["Guard"]
@@ -144,6 +146,15 @@ class Guard:
         self._settle_buckets = start_step > 0
         self._state = StepState(step=start_step, last_clean_step=start_step)
         self._flags_read = False
+        # On CUDA a fused optimizer holds a bad step back on the device: the host reads the
+        # step's flags during the next step's checks, behind work already queued, and
+        # never waits for them in the step itself (see _judge_late).
+        self._defer_flags = self._gate.device_skip and self.device.type == "cuda"
+        self._late: _LateFlags | None = None
+        # Steps that count toward last_clean_step once what they wait for came back clean:
+        # their flags read late ("flags"), an overlapped check-3 exchange ("weights").
+        self._candidates: dict[int, _Candidate] = {}
+        self._weight_check.overlap = self.device.type == "cuda"
         # The newest step each check with a say vouched for; last_clean_step is the oldest.
         self._verified = {u.name: start_step for u in self._units if u.vouches}
 
@@ -433,19 +444,20 @@ class Guard:
         state = self._state
         flags = self._layout.flags
         started = time.perf_counter()
+        self._judge_late(collective=True)  # the previous step's flags, read late
         if self._flags_wanted and not flags.sent:
             flags.send(self.group)  # no bucket went through the hook (no_sync?)
         skip = flags.skip_tensor() if self._flags_wanted else None
         # The host reads the flags now unless the optimizer skips on the device and the
-        # device is a GPU (then after the optimizer step is queued, in after_optimizer_step).
-        if self._flags_wanted and (
-            not self._gate.device_skip or self.device.type != "cuda" or self._audit.due
-        ):
+        # device is a GPU (then during the next step's checks, see _judge_late).
+        if self._flags_wanted and (not self._defer_flags or self._audit.due):
             self._read_flags()
         self._seconds["nonfinite"] += time.perf_counter() - started
-        self._nonfinite.before_step(state)
-        self._replay.before_step(state)
-        self._weight_check.before_step(state)
+        for unit in self._units:
+            unit.before_step(state)
+            settled = unit.settled()  # an exchange of the previous step, overlapped
+            if settled is not None:
+                self._resolved(settled[0], unit.name, passed=settled[1])
         self._gate.arm(skip=skip, hold=state.hold)
         if state.hold and self.scaler is not None:
             self._let_the_scaler_keep_its_books()
@@ -471,6 +483,68 @@ class Guard:
             )
         self._nonfinite.judge(self._state, before)
 
+    def _flags_on_their_way(self) -> None:
+        """The step's flags go to host memory without the host waiting for them; the next
+        step's checks judge them (the step itself is held back on the device)."""
+        self._flags_read = True
+        self._late = _LateFlags(
+            state=self._state,
+            flags=self._layout.flags.to_host(),
+            micro_batch=LateMicroBatch(self._audit.payload, self._audit.micro_batches),
+        )
+
+    def _judge_late(self, *, collective: bool) -> None:
+        """Judge the flags of a step read late (a fused optimizer on CUDA): clean, the
+        step counts toward ``last_clean_step`` now; not, its verdicts are logged, reported
+        and shown in the current step's result. ``collective``: every rank calls it at
+        the same point (the next step's checks), so a rank alone non-finite is replayed
+        on another node; otherwise (``close``) it is judged without the replay. A halt
+        flag stops training here, before the current step is applied."""
+        late = self._late
+        if late is None:
+            return
+        self._late = None
+        before, halt = late.flags.read()
+        if halt and collective:
+            self._phase = IDLE
+            raise OperatorUnreachableError(
+                f"a verdict could not be delivered to the operator within "
+                f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
+                "training here, before another step is applied"
+            )
+        known = len(late.state.verdicts)
+        micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
+        self._nonfinite.judge(late.state, before, micro_batch)
+        found = late.state.verdicts[known:]
+        self._resolved(late.state.step, "flags", passed=not found)
+        if not found:
+            return
+        if self._phase != IDLE:
+            late.state.verdicts[known:] = []
+            self._state.late_verdicts.extend(found)  # logged and reported with this step's
+            return
+        self._log_verdicts(late.state.step, found)
+        self._reporting.report_verdicts(found)
+
+    def _resolved(self, step: int, what: str, *, passed: bool) -> None:
+        """``what`` a step waited for came back: ``passed``, the step counts toward
+        ``last_clean_step`` once nothing else is awaited; not, it never does."""
+        candidate = self._candidates.get(step)
+        if candidate is None:
+            return
+        if not passed:
+            del self._candidates[step]
+            return
+        candidate.waiting.discard(what)
+        if not candidate.waiting:
+            del self._candidates[step]
+            self._count_clean(candidate.vouched)
+
+    def _count_clean(self, vouched: dict[str, int]) -> None:
+        for name, step in vouched.items():
+            self._verified[name] = max(self._verified[name], step)
+        self.last_clean_step = min(self._verified.values())
+
     @property
     def _flags_wanted(self) -> bool:
         return self.config.nonfinite_check or self._stop_when_unreachable
@@ -490,7 +564,7 @@ class Guard:
                 else "after_optimizer_step called outside a step"
             )
         if self._flags_wanted and not self._flags_read:
-            self._read_flags()  # the optimizer step is already queued on the device
+            self._flags_on_their_way()  # the optimizer step is already queued on the device
         applied = self._gate.applied if self._gate.stepped else False
         if loss is None:
             loss = self._audit.own_loss
@@ -508,18 +582,22 @@ class Guard:
         verdicts = list(state.verdicts)
         blocking = [v for v in verdicts if v.classification != "nondeterministic"]
         if not blocking and not any(u.blocks_clean for u in self._units):
-            for unit in self._units:
-                if unit.vouches and unit.vouched(state):
-                    self._verified[unit.name] = step
-            self.last_clean_step = min(self._verified.values())
-        for v in verdicts:
-            log.log(
-                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
-                "sdc_agent verdict at step %d (%s check): %s",
-                step,
-                v.check,
-                v.message,
-            )
+            waiting = {u.name for u in self._units if u.awaits(state)}
+            vouched = {
+                u.name: step
+                for u in self._units
+                if u.vouches and (u.vouched(state) or u.name in waiting)
+            }
+            if self._late is not None and self._late.state is state:
+                waiting.add("flags")
+            if waiting:
+                self._candidates[step] = _Candidate(vouched, waiting)
+            else:
+                self._count_clean(vouched)
+        for v in state.late_verdicts:
+            self._log_verdicts(v.step, [v])
+        self._reporting.report_verdicts(state.late_verdicts)
+        self._log_verdicts(step, verdicts)
         self._reporting.step_done(
             step,
             verdicts,
@@ -529,7 +607,18 @@ class Guard:
             bit_reproducible=self.bit_reproducible,
         )
         self._phase = IDLE
-        return StepResult(step=step, loss=loss, applied=applied, verdicts=tuple(verdicts))
+        shown = (*state.late_verdicts, *verdicts)
+        return StepResult(step=step, loss=loss, applied=applied, verdicts=shown)
+
+    def _log_verdicts(self, step: int, verdicts: Sequence[Verdict]) -> None:
+        for v in verdicts:
+            log.log(
+                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
+                "sdc_agent verdict at step %d (%s check): %s",
+                step,
+                v.check,
+                v.message,
+            )
 
     # The phases under their first names.
 
@@ -543,7 +632,7 @@ class Guard:
         if self._phase != DECIDED:
             raise SDCError("finish_step called outside a step: call begin_step first")
         if self._flags_wanted and not self._flags_read:
-            self._read_flags()
+            self._flags_on_their_way()
         seen = self._gate.applied if self._gate.stepped else False
         return self._finish(seen if applied else False, loss)
 
@@ -557,6 +646,8 @@ class Guard:
         """
         if self._phase != IDLE:
             raise SDCError("restore called during a step")
+        self._late = None  # the checkpoint replaces whatever that step did
+        self._candidates.clear()
         self.step_count = step
         self.last_clean_step = step
         for unit in self._units:
@@ -577,6 +668,7 @@ class Guard:
         The directory holding ``path`` is also where evidence bundles go, unless
         ``bundle_dir`` says otherwise (:class:`~sdc_agent.bundle.BundleSettings`)."""
         step = self.step_count if step is None else step
+        self._settle_locally()
         verified = step <= self.last_clean_step
         mark_checkpoint(
             path, step, verified=verified, reporter=self.reporter, identity=self._reporting.identity
@@ -584,11 +676,34 @@ class Guard:
         self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
         return verified
 
+    def _settle_locally(self) -> None:
+        """Count a step whose late flags or overlapped check-3 exchange came back clean
+        (waiting for them here; no collective: anything else waits for the next step)."""
+        late = self._late
+        if late is not None:
+            before, halt = late.flags.read()
+            if not any(before) and not halt:
+                self._late = None
+                self._resolved(late.state.step, "flags", passed=True)
+        self._weight_check.agree_pending()
+        settled = self._weight_check.settled()
+        if settled is not None:
+            self._resolved(settled[0], "weights", passed=settled[1])
+
     def close(self, timeout: float = 10.0) -> None:
         """Deliver queued reports (up to ``timeout`` seconds), remove the forward hooks of
         injected faults and the Guard's hooks on the model and optimizer (the comm hook
         stays with DDP). An evidence bundle still being written is finished first (up to
         ``timeout`` seconds too)."""
+        if self._phase == IDLE:
+            self._judge_late(collective=False)
+            found = self._weight_check.finish_pending()  # a collective on a mismatch
+            settled = self._weight_check.settled()
+            if settled is not None:
+                self._resolved(settled[0], "weights", passed=settled[1])
+            if found:
+                self._log_verdicts(found[0].step, found)
+                self._reporting.report_verdicts(found)
         self._layout.detach()
         self._gate.remove()
         self._evidence.close(timeout)  # a bundle still being written is finished first
@@ -617,3 +732,21 @@ class Guard:
             self._layout.inject("grad_local", bucket, bucket.buffer())
         for unit in self._units:
             unit.on_gradients(bucket)
+
+
+@dataclass(slots=True)
+class _LateFlags:
+    """A step whose flags are on their way to the host (see :meth:`Guard._judge_late`)."""
+
+    state: StepState
+    flags: HostFlags
+    micro_batch: LateMicroBatch
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """A step no check blocked, waiting for the results that come after it ended."""
+
+    vouched: dict[str, int]
+    """What it adds to ``last_clean_step`` (check name -> the step)."""
+    waiting: set[str]

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonFiniteFinding", "StepFlags", "classify_nonfinite"]
+__all__ = ["HostFlags", "NonFiniteFinding", "StepFlags", "classify_nonfinite"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,10 @@ class StepFlags:
         self.local = torch.zeros(1, dtype=torch.float32, device=device)
         self._sent: list[tuple[torch.Tensor, dist.Work]] = []
         self.halt = False
+        # Two pinned host buffers, taken in turn: a step's flags may still be on their way
+        # to one while the next step's go to the other (CUDA only).
+        self._pinned: list[torch.Tensor] = []
+        self._turn = 0
 
     def reset(self, *, halt: bool) -> None:
         self.local.zero_()
@@ -137,7 +142,48 @@ class StepFlags:
         is non-finite or halts."""
         return (self.gathered().sum() > 0).to(torch.float32)
 
+    def to_host(self) -> HostFlags:
+        """Start moving every rank's flags to host memory, without waiting: on CUDA a
+        non-blocking copy into pinned memory behind the flags' all-reduce, with an event
+        to wait on; on the CPU the gathered flags are host memory already (the gloo
+        all-reduce has completed once :meth:`gathered` returned)."""
+        total = self.gathered()
+        if not total.is_cuda:
+            return HostFlags(total, None, self.world)
+        if not self._pinned:
+            self._pinned = [
+                torch.empty(total.shape, dtype=total.dtype, pin_memory=True) for _ in range(2)
+            ]
+        host = self._pinned[self._turn]
+        self._turn = 1 - self._turn
+        host.copy_(total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(total.device))
+        return HostFlags(host, event, self.world)
+
     def read(self) -> tuple[list[bool], bool]:
         """``(non-finite before the all-reduce, by rank; anyone halts)`` on the host."""
-        rows = self.gathered().tolist()
+        return self.to_host().read()
+
+
+class HostFlags:
+    """A step's flags in host memory, or on their way there (:meth:`StepFlags.to_host`)."""
+
+    def __init__(self, host: torch.Tensor, event: Any, world: int) -> None:
+        self.host = host
+        self.event = event
+        self.world = world
+
+    def ready(self) -> bool:
+        """Whether :meth:`read` would not wait (never waits itself)."""
+        return self.event is None or bool(self.event.query())
+
+    def read(self) -> tuple[list[bool], bool]:
+        """``(non-finite before the all-reduce, by rank; anyone halts)``. Waits for the
+        copy's event where it is still on its way (only for the copy: work queued after
+        it, the optimizer step and the next forward, keeps running); then reads host
+        memory, which is no device read."""
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.host.numpy().tolist()
         return [v > 0 for v in rows[: self.world]], rows[self.world] > 0

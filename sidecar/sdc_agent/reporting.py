@@ -134,6 +134,15 @@ class GuardReporting:
             for name in self.check_seconds:  # in place: the checks hold this dict
                 self.check_seconds[name] = 0.0
 
+    def report_verdicts(self, verdicts: list[Verdict]) -> None:
+        """Verdicts found outside a step's end (a step's flags read late)."""
+        if self.reporter is None:
+            return
+        now = time.time()
+        for v in verdicts:
+            if self._me in self._reporters_of(v):
+                self.reporter.submit(self._verdict_report(v, now))
+
     def resumed(self, step: int, location: str | None) -> None:
         """The job restored a checkpoint of ``step``: a ``resume`` report."""
         if self.reporter is not None:

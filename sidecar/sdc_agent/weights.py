@@ -18,6 +18,7 @@ import warnings
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -256,6 +257,38 @@ class PendingComparison:
         self._per_tensor = per_tensor
         self._gathered = gathered
         self._work = work
+        self._rows: list[tuple[int, ...]] | None = None
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        if work is not None and gathered and gathered[0].is_cuda:
+            # NCCL: the wait orders the device's stream after the all-gather (the host goes
+            # on), then the words move to pinned memory; reading them waits for that copy
+            # only, not for the work queued after it (the next step's forward, backward).
+            work.wait()
+            self._work = None
+            words = torch.stack(gathered)
+            self._host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+            self._host.copy_(words, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(words.device))
+
+    def _read(self) -> list[tuple[int, ...]]:
+        if self._rows is None:
+            if self._host is not None:
+                self._event.synchronize()
+                words = self._host.numpy().tolist()  # host memory: no device read
+            else:
+                if self._work is not None:
+                    self._work.wait()
+                    self._work = None
+                words = torch.stack(self._gathered).tolist()
+            self._rows = [tuple(r) for r in words]
+        return self._rows
+
+    def agree(self) -> bool:
+        """Wait for the words: whether every replica agrees. Not a collective (what
+        :meth:`finish` adds on a mismatch is)."""
+        return split_majority(self._read()) is None
 
     def finish(self) -> tuple[MajoritySplit | None, dict[str, object]]:
         """Wait for the words; the split (``None``: every replica agrees) and evidence.
@@ -263,10 +296,7 @@ class PendingComparison:
         A collective on a mismatch (the tensor-by-tensor comparison): every rank of the
         group must call it at the same point.
         """
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        rows = [tuple(r) for r in torch.stack(self._gathered).tolist()]
+        rows = self._read()
         split = split_majority(rows)
         if split is None:
             return None, {}
