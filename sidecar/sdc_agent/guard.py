@@ -32,6 +32,7 @@ from .check_replay import ReplayCheck
 from .check_weights import WeightCheck
 from .checkpoint import mark_checkpoint
 from .checks import CheckUnit, StepState
+from .clean_steps import CleanSteps
 from .config import GuardConfig
 from .errors import ConfigError, OperatorUnreachableError, SDCError
 from .fingerprint import Fingerprinter
@@ -138,10 +139,6 @@ class Guard:
 
         self.step_count = start_step
         """Steps begun so far; the current step while one is running."""
-        self.last_clean_step = start_step
-        """The newest step at which every check passed and, with the weight check on,
-        the replicas' weights were verified identical. A checkpoint of that step or an
-        earlier one is safe to resume from."""
         # A resumed job (start_step, restore): the next step first settles the layout.
         self._settle_buckets = start_step > 0
         self._state = StepState(step=start_step, last_clean_step=start_step)
@@ -151,12 +148,8 @@ class Guard:
         # never waits for them in the step itself (see _judge_late).
         self._defer_flags = self._gate.device_skip and self.device.type == "cuda"
         self._late: _LateFlags | None = None
-        # Steps that count toward last_clean_step once what they wait for came back clean:
-        # their flags read late ("flags"), an overlapped check-3 exchange ("weights").
-        self._candidates: dict[int, _Candidate] = {}
         self._weight_check.overlap = self.device.type == "cuda"
-        # The newest step each check with a say vouched for; last_clean_step is the oldest.
-        self._verified = {u.name: start_step for u in self._units if u.vouches}
+        self._clean = CleanSteps((u.name for u in self._units if u.vouches), start_step)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -321,6 +314,13 @@ class Guard:
         """``compiled`` or ``eager``: the fingerprint kernel that runs (eager is the slow
         path; see :attr:`sdc_agent.Fingerprinter.kernel`)."""
         return self._fingerprinter.kernel
+
+    @property
+    def last_clean_step(self) -> int:
+        """The newest step at which every check passed and, with the weight check on,
+        the replicas' weights were verified identical. A checkpoint of that step or an
+        earlier one is safe to resume from."""
+        return self._clean.last
 
     @property
     def weights_diverged(self) -> bool:
@@ -527,23 +527,7 @@ class Guard:
         self._reporting.report_verdicts(found)
 
     def _resolved(self, step: int, what: str, *, passed: bool) -> None:
-        """``what`` a step waited for came back: ``passed``, the step counts toward
-        ``last_clean_step`` once nothing else is awaited; not, it never does."""
-        candidate = self._candidates.get(step)
-        if candidate is None:
-            return
-        if not passed:
-            del self._candidates[step]
-            return
-        candidate.waiting.discard(what)
-        if not candidate.waiting:
-            del self._candidates[step]
-            self._count_clean(candidate.vouched)
-
-    def _count_clean(self, vouched: dict[str, int]) -> None:
-        for name, step in vouched.items():
-            self._verified[name] = max(self._verified[name], step)
-        self.last_clean_step = min(self._verified.values())
+        self._clean.resolved(step, what, passed=passed)
 
     @property
     def _flags_wanted(self) -> bool:
@@ -590,10 +574,7 @@ class Guard:
             }
             if self._late is not None and self._late.state is state:
                 waiting.add("flags")
-            if waiting:
-                self._candidates[step] = _Candidate(vouched, waiting)
-            else:
-                self._count_clean(vouched)
+            self._clean.step_ended(step, vouched, waiting)
         for v in state.late_verdicts:
             self._log_verdicts(v.step, [v])
         self._reporting.report_verdicts(state.late_verdicts)
@@ -647,12 +628,10 @@ class Guard:
         if self._phase != IDLE:
             raise SDCError("restore called during a step")
         self._late = None  # the checkpoint replaces whatever that step did
-        self._candidates.clear()
         self.step_count = step
-        self.last_clean_step = step
         for unit in self._units:
             unit.restored(step)
-        self._verified = dict.fromkeys(self._verified, step)
+        self._clean.restore(step)
         # The next Guard.step settles the layout first (DDPLayout.settle: DDP's buckets),
         # so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True
@@ -741,12 +720,3 @@ class _LateFlags:
     state: StepState
     flags: HostFlags
     micro_batch: LateMicroBatch
-
-
-@dataclass(slots=True)
-class _Candidate:
-    """A step no check blocked, waiting for the results that come after it ended."""
-
-    vouched: dict[str, int]
-    """What it adds to ``last_clean_step`` (check name -> the step)."""
-    waiting: set[str]

@@ -1,0 +1,64 @@
+"""``last_clean_step``: the newest step at which every check with a say vouched for the job.
+
+Each such check (the replay audit, check 3) vouches for steps on its own schedule; the clean
+step is the oldest of their newest. A step no check blocked may still wait for results that
+come after it ended (its non-finite flags read during the next step, check 3's exchange
+overlapped with the next step): it counts once they came back clean, never if one did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["CleanSteps"]
+
+
+@dataclass(slots=True)
+class _Candidate:
+    vouched: dict[str, int]
+    """What the step adds (check name -> the step)."""
+    waiting: set[str]
+    """What it still waits for."""
+
+
+class CleanSteps:
+    """The bookkeeping behind ``Guard.last_clean_step`` (see the module docstring)."""
+
+    def __init__(self, checks: Iterable[str], start: int) -> None:
+        self._verified = dict.fromkeys(checks, start)
+        self._candidates: dict[int, _Candidate] = {}
+        self.last = start
+
+    def step_ended(self, step: int, vouched: dict[str, int], waiting: set[str]) -> None:
+        """No check blocked ``step``; ``vouched`` is what it adds, once nothing in
+        ``waiting`` is still awaited."""
+        if waiting:
+            self._candidates[step] = _Candidate(vouched, waiting)
+        else:
+            self._count(vouched)
+
+    def resolved(self, step: int, what: str, *, passed: bool) -> None:
+        """``what`` ``step`` waited for came back: ``passed``, the step counts once
+        nothing else is awaited; not, it never does."""
+        candidate = self._candidates.get(step)
+        if candidate is None:
+            return
+        if not passed:
+            del self._candidates[step]
+            return
+        candidate.waiting.discard(what)
+        if not candidate.waiting:
+            del self._candidates[step]
+            self._count(candidate.vouched)
+
+    def restore(self, step: int) -> None:
+        """A checkpoint of ``step`` was restored: trusted, nothing awaited."""
+        self._candidates.clear()
+        self._verified = dict.fromkeys(self._verified, step)
+        self.last = step
+
+    def _count(self, vouched: dict[str, int]) -> None:
+        for name, step in vouched.items():
+            self._verified[name] = max(self._verified[name], step)
+        self.last = min(self._verified.values())
