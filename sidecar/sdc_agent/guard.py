@@ -11,11 +11,9 @@ check units (:mod:`sdc_agent.checks`: check 1 :mod:`~sdc_agent.check_nonfinite`,
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,7 +40,7 @@ from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
 from .reporting import CHECKS, GuardReporting
-from .topology import Topology, exchange_identities, local_node_name
+from .startup import start_up_exchange, validate_arguments
 from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints
 
@@ -93,7 +91,7 @@ class Guard:
         reporter: Reporter | Literal["auto"] | None = "auto",
         scaler: Any = None,
     ) -> None:
-        self._validate_arguments(model, optimizer, loss_fn, config, start_step, scaler)
+        validate_arguments(model, optimizer, loss_fn, config, start_step, scaler)
         assert isinstance(model, DistributedDataParallel)
         self._phase = IDLE
         self.model = model
@@ -115,7 +113,16 @@ class Guard:
 
         self._gate = StepGate(optimizer, lambda: self._phase)
         try:
-            self.topology, self.run_id = self._start_up_exchange()
+            self.topology, self.run_id = start_up_exchange(
+                config=self.config,
+                group=self.group,
+                comm_device=self.comm_device,
+                agreed={
+                    "optimizer": type(optimizer).__name__,
+                    "device_skip": self._gate.device_skip,
+                    "scaler": scaler is not None,
+                },
+            )
             self._build_checks(loss_fn)
         except BaseException:
             self._gate.remove()  # a Guard that failed to start leaves nothing behind
@@ -207,71 +214,6 @@ class Guard:
             seconds=self._seconds,
         )
         self._units: tuple[CheckUnit, ...] = (self._nonfinite, self._replay, self._weight_check)
-
-    @staticmethod
-    def _validate_arguments(
-        model: nn.Module,
-        optimizer: object,
-        loss_fn: object,
-        config: object,
-        start_step: object,
-        scaler: object,
-    ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise ConfigError(
-                f"model: must be wrapped in torch.nn.parallel.DistributedDataParallel, "
-                f"got {type(model).__name__}"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer: must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if loss_fn is not None and not callable(loss_fn):
-            raise ConfigError("loss_fn: must be callable as loss_fn(model, batch)")
-        if config is not None and not isinstance(config, GuardConfig):
-            raise ConfigError(f"config: must be a GuardConfig, got {type(config).__name__}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ConfigError(f"start_step: must be an integer >= 0, got {start_step!r}")
-        if scaler is not None and not hasattr(scaler, "get_scale"):
-            raise ConfigError(
-                f"scaler: must be a torch.amp.GradScaler, got {type(scaler).__name__}"
-            )
-        if not dist.is_initialized():
-            raise SDCError("torch.distributed is not initialized: call init_process_group first")
-
-    def _start_up_exchange(self) -> tuple[Topology, str]:
-        """One all-gather: identities, the settings that must agree, the run id."""
-        agreed = {
-            **self.config.agreed(),
-            "optimizer": type(self.optimizer).__name__,
-            "device_skip": self._gate.device_skip,
-            "scaler": self.scaler is not None,
-        }
-        extra = {"agreed": agreed, "run_id": uuid.uuid4().hex[:16]}
-        topology, extras = exchange_identities(
-            self.group, local_node_name(self.config.node_name), self.comm_device, extra
-        )
-        differing = sorted(
-            name
-            for name in agreed
-            if len({json.dumps(e["agreed"].get(name), sort_keys=True) for e in extras}) > 1
-        )
-        if differing:
-            values = "; ".join(
-                f"{name}: "
-                + ", ".join(
-                    f"rank {topology.global_rank(r)}={e['agreed'].get(name)!r}"
-                    for r, e in enumerate(extras)
-                )
-                for name in differing[:4]
-            )
-            self._gate.remove()
-            raise ConfigError(
-                f"settings differ between ranks ({', '.join(differing)}), so ranks would run "
-                f"different collectives and hang: {values}. Give every rank (the Master and "
-                "the Worker templates) the same HYPERPOD_SDC_* settings"
-            )
-        return topology, str(extras[0]["run_id"])
 
     def _warm_up(self, module: nn.Module) -> None:
         if self.config.weights_every <= 0 and not self.config.replay_enabled:
