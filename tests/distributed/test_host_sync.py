@@ -195,3 +195,40 @@ def test_check_3_overlapped_with_the_next_step_holds_that_step_back_on_a_mismatc
         assert now["applied"] == [True for _ in steps]
         assert late["applied"] == [s not in held for s in steps]
         assert now["last_clean_step"] == late["last_clean_step"] == WEIGHTS_STEP - WEIGHTS_EVERY
+
+
+def _cuda_worker(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from sdc_agent import Guard, GuardConfig
+
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend="nccl")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    ddp = DistributedDataParallel(net, device_ids=[0], process_group=group)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2, fused=True)
+    config = GuardConfig(weights_every=0, replay_every=0, fingerprint_backend="eager")
+    guard = Guard(ddp, optimizer, _loss, config, reporter=None)
+    g = torch.Generator().manual_seed(rank)
+    batches = [
+        (torch.randn(8, 16, generator=g).cuda(), torch.randn(8, 4, generator=g).cuda())
+        for _ in range(WARMUP + COUNTED)
+    ]
+    for batch in batches[:WARMUP]:
+        guard.step(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches[WARMUP:]:
+            guard.step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    guard.close()
+    return {"last_clean_step": guard.last_clean_step}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_no_host_sync_on_cuda_over_20_steps() -> None:
+    (result,) = spawn_local(_cuda_worker, ["node-a"])
+    assert result["last_clean_step"] == WARMUP + COUNTED
