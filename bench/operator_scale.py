@@ -49,6 +49,7 @@ SETTINGS = {
     # every simulated agent sends from 127.0.0.1: the per-address limit is for attackers
     "rate_per_source": "1000000",
     "rate_source_burst": "1000000",
+    "connections_per_source": "1000000",
     "token_reviews_per_source": "1000000",
     "token_review_source_burst": "1000000",
     # main's defaults (a burst of 400 a job) would refuse a storm of 512 on their own

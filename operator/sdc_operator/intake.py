@@ -8,7 +8,9 @@ A report is checked in this order, cheapest first, and the first failure answers
 1. the operator is ready (its caches listed), not overloaded (503);
 2. media type and size (415, 413), the client address's rate (429), a Bearer token of a
    plausible shape (401): no API call so far;
-3. the body, whole, within ``body_timeout_seconds`` (408);
+3. the body, whole, within ``body_timeout_seconds`` (408); then its lane: a heartbeat is
+   shed (429 with ``Retry-After``) while a verdict is in flight, or arrived in the last
+   second, or while ``max_heartbeats_in_flight`` heartbeats are (verdicts first);
 4. the token -> the reporting pod (TokenReview, cached; 401), which must still exist (403);
 5. the pod's namespace is admitted by an ``SDCPolicy`` (403 ``namespace_not_admitted``);
 6. the pod's controlling owner -> an opted-in job (403), the pod fits that job and was
@@ -27,7 +29,9 @@ A heartbeat, and a verdict already recorded, cost no API call.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -165,6 +169,9 @@ class Intake:
         """The admission webhook's pod selectors (set by the operator); empty: not checked."""
         self.ready: Callable[[], bool] = lambda: True
         self.in_flight = 0
+        self.lanes: dict[str, int] = {"verdict": 0, "heartbeat": 0}
+        """Verdicts and heartbeats past their body, in flight."""
+        self._verdict_at = -1e9
         self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
 
     def app(self) -> web.Application:
@@ -233,6 +240,11 @@ class Intake:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
+            lane = request.get(_LANE)
+            if lane is not None:
+                self.lanes[lane] -= 1
+                if lane == "verdict":
+                    self._verdict_at = time.monotonic()
         return web.json_response(body, status=status)
 
     # -- the checks, in order ---------------------------------------------------------------
@@ -270,6 +282,7 @@ class Intake:
                 f"the body did not arrive within {self.settings.body_timeout_seconds:g} s",
             ) from None
 
+        self._lane(request, raw)
         identity = await self.authenticator.authenticate(token, source=request.remote or "")
         pod = await self._pod(identity)
         namespace = identity.namespace
@@ -326,6 +339,34 @@ class Intake:
         )
         self.metrics.reports.labels(report.kind, report.classification).inc()
         return 202, {"accepted": report.kind, "incident": f"{ref.namespace}/{name}", "phase": phase}
+
+    def _lane(self, request: web.Request, raw: bytes) -> None:
+        """Verdicts first: a heartbeat is shed (429) while a verdict is in flight or has
+        just been, or while its own lane is full; it costs nothing more than its body. The
+        kind is read from the body before anything else is checked; a body that lies about
+        it is refused later, like any other."""
+        kind = _kind_of(raw)
+        if kind == "verdict":
+            self.lanes["verdict"] += 1
+            request[_LANE] = "verdict"
+            return
+        if kind != "heartbeat":
+            return
+        s = self.settings
+        busy = self.lanes["verdict"] > 0 or time.monotonic() - self._verdict_at < VERDICT_QUIET
+        if busy or self.lanes["heartbeat"] >= s.max_heartbeats_in_flight:
+            wait = s.heartbeat_retry_after_seconds
+            raise Refusal(
+                429,
+                "shed",
+                "verdicts first: heartbeats are answered later; try again after Retry-After"
+                if busy
+                else f"more than {s.max_heartbeats_in_flight} heartbeats at once; try again "
+                "after Retry-After",
+                retry_after=random.uniform(wait, 2 * wait),
+            )
+        self.lanes["heartbeat"] += 1
+        request[_LANE] = "heartbeat"
 
     def _reporter_is_pod(self, reporter: Any, pod_name: str, node: str) -> None:
         if reporter.node != node:
@@ -616,6 +657,22 @@ class Intake:
             return None
         found, _ = await self.resolver.instance_id(node)
         return found
+
+
+VERDICT_QUIET = 1.0
+"""Seconds after a verdict was answered during which heartbeats are still shed: the other
+reporters' verdicts of the same audit arrive in that time."""
+_LANE = "sdc_lane"
+
+
+def _kind_of(raw: bytes) -> str | None:
+    """The ``kind`` a report body says it is; ``None`` where it is not a JSON object."""
+    try:
+        report = json.loads(raw)
+    except ValueError:
+        return None
+    kind = report.get("kind") if isinstance(report, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 RAN_PHASES = frozenset({"Running", "Succeeded"})

@@ -187,6 +187,13 @@ class OperatorSettings:
     max_in_flight: int = 4096
     """Reports processed at once; past it new ones get 503 and are retried by the agent.
     Bounds memory: each holds at most one body of ``max_body_bytes``."""
+    max_heartbeats_in_flight: int = 256
+    """Heartbeats processed at once: the heartbeats' own lane. Past it, and while a verdict
+    is in flight or arrived in the last second, a heartbeat is answered 429 with a
+    ``Retry-After`` of ``heartbeat_retry_after_seconds`` to twice that (spread at random)
+    as soon as its body is read, so that a verdict never waits behind heartbeats."""
+    heartbeat_retry_after_seconds: float = 5.0
+    """The shortest ``Retry-After`` given to a heartbeat shed for a verdict or a full lane."""
     repeat_count: int = 2
     """A transient or uncorroborated verdict quarantines nothing until the same node of
     the same job was caught this many times (this incident included) ..."""
@@ -303,6 +310,7 @@ class OperatorSettings:
             "token_reviews_per_second",
             "token_reviews_per_source",
             "tls_handshake_timeout_seconds",
+            "heartbeat_retry_after_seconds",
             "heartbeat_silence_seconds",
             "confirmation_deadline_seconds",
             "confirmation_start_seconds",
@@ -321,6 +329,7 @@ class OperatorSettings:
             "max_connections",
             "connections_per_source",
             "max_in_flight",
+            "max_heartbeats_in_flight",
             "repeat_count",
             "repeat_window_steps",
             "confirmation_repeat",

@@ -11,6 +11,13 @@ older than the deadline, :meth:`Reporter.verdict_overdue` says so and
 reached. When the queue is full the oldest heartbeat goes first, then the oldest checkpoint
 record; verdicts are never dropped.
 
+Verdicts first, on both sides: a heartbeat waits a random ``0`` to
+``heartbeat_jitter_seconds`` after it is submitted, so the heartbeats of a job's nodes,
+submitted at the same step as an audit's verdicts, spread out behind them instead of
+arriving with them; and a heartbeat or checkpoint record the operator answers 429 or 503
+with ``Retry-After`` waits that long (its back-off, if longer) while verdicts still go at
+once. :meth:`Reporter.flush` sends what waits for jitter at once.
+
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
 rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
@@ -51,6 +58,7 @@ __all__ = [
 log = logging.getLogger("sdc_agent.reporter")
 
 REPORTS_PATH = "/v1/reports"
+HEARTBEAT_JITTER_ENV = "HYPERPOD_SDC_HEARTBEAT_JITTER_SECONDS"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +80,10 @@ class ReporterConfig:
     """Per request."""
     initial_backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
+    heartbeat_jitter_seconds: float = 10.0
+    """A heartbeat is sent a random 0 to this many seconds after it is submitted, so the
+    nodes of a job do not all send theirs at the moment of an audit (env
+    ``HYPERPOD_SDC_HEARTBEAT_JITTER_SECONDS``; 0: at once)."""
 
     def __post_init__(self) -> None:
         url = (
@@ -92,6 +104,9 @@ class ReporterConfig:
             require_number(
                 name, getattr(self, name), minimum=0, maximum=3600, exclusive_minimum=True
             )
+        require_number(
+            "heartbeat_jitter_seconds", self.heartbeat_jitter_seconds, minimum=0, maximum=3600
+        )
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise ConfigError(f"ca_bundle: no such file: {self.ca_bundle}")
 
@@ -105,6 +120,13 @@ class ReporterConfig:
             values["token_file"] = token.strip() or None
         if ca := os.environ.get(CA_BUNDLE_ENV, "").strip():
             values["ca_bundle"] = ca
+        if jitter := os.environ.get(HEARTBEAT_JITTER_ENV, "").strip():
+            try:
+                values["heartbeat_jitter_seconds"] = float(jitter)
+            except ValueError:
+                raise ConfigError(
+                    f"{HEARTBEAT_JITTER_ENV}: expected a number of seconds, got {jitter!r}"
+                ) from None
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -131,6 +153,10 @@ class Reporter:
         self._closed = False
         self._in_flight: tuple[float, Report] | None = None
         self._attempt = 0  # consecutive failed attempts: the back-off grows with them
+        # Heartbeats and checkpoint records wait until both have passed (monotonic time):
+        self._jitter_until = 0.0  # a heartbeat's jitter
+        self._retry_until = 0.0  # the operator's Retry-After, or the back-off
+        self._retry_after: float | None = None  # of the last answer, where it said one
         self._token: str | None = None
         self._token_stamp: tuple[float, int] | None = None
         self._ssl_stamp: tuple[int, int, int, int] | None = None
@@ -161,6 +187,9 @@ class Reporter:
                 if len(self._others) >= self.config.queue_size:
                     self._drop_one()
                 self._others.append(entry)
+                jitter = self.config.heartbeat_jitter_seconds
+                if isinstance(report, HeartbeatReport) and jitter and self._jitter_until < entry[0]:
+                    self._jitter_until = entry[0] + random.uniform(0, jitter)
             self._cond.notify_all()
 
     def _drop_one(self) -> None:
@@ -205,6 +234,8 @@ class Reporter:
         """Wait until everything queued is delivered or refused; false on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._jitter_until = 0.0
+            self._cond.notify_all()
             while self._verdicts or self._others or self._in_flight is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -227,14 +258,24 @@ class Reporter:
     # -- the sending thread --------------------------------------------------------------
 
     def _next(self) -> tuple[float, Report] | None:
+        """The next report to send: a verdict at once, anything else once its jitter and
+        the operator's Retry-After have passed."""
         with self._cond:
-            while not (self._verdicts or self._others):
-                if self._closed:
-                    return None
-                self._cond.wait()
+            while not self._closed:
+                if self._verdicts:
+                    queue = self._verdicts
+                    break
+                if self._others:
+                    wait = max(self._jitter_until, self._retry_until) - time.monotonic()
+                    if wait <= 0:
+                        queue = self._others
+                        break
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
             if self._closed:
                 return None
-            entry = (self._verdicts if self._verdicts else self._others).popleft()
+            entry = queue.popleft()
             self._in_flight = entry
             return entry
 
@@ -268,7 +309,13 @@ class Reporter:
                     self.config.max_backoff_seconds,
                 )
                 self._attempt += 1
-                if self._stop.wait(random.uniform(0, backoff)):  # full jitter; close() ends it
+                wait = random.uniform(0, backoff)  # full jitter
+                if not isinstance(report, VerdictReport):
+                    # Waits in the queue, where a verdict submitted meanwhile goes first.
+                    with self._cond:
+                        self._retry_until = time.monotonic() + max(wait, self._retry_after or 0)
+                    continue
+                if self._stop.wait(wait):  # close() ends it
                     return
 
     def _undeliverable(self, submitted: float) -> None:
@@ -346,6 +393,7 @@ class Reporter:
 
     def _send(self, report: Report) -> str:
         """``delivered``, ``refused`` (do not retry) or ``retry``."""
+        self._retry_after = None
         body = encode_report(report)
         request = urllib.request.Request(self.url, data=body, method="POST")
         request.add_header("Content-Type", "application/json")
@@ -361,6 +409,9 @@ class Reporter:
             return "delivered"
         except urllib.error.HTTPError as exc:
             detail = exc.read(2048).decode("utf-8", "replace")
+            self._retry_after = _retry_after(
+                exc.headers.get("Retry-After") if exc.headers else None
+            )
             if exc.code in (408, 429) or exc.code >= 500:
                 log.info("sdc_agent: operator answered %d, will retry: %s", exc.code, detail)
                 return "retry"
@@ -369,6 +420,15 @@ class Reporter:
             # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
             return "retry"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """An answer's ``Retry-After`` in seconds (at most an hour); ``None`` where it has none
+    or an HTTP date, which the operator never sends."""
+    try:
+        return min(3600.0, max(0.0, float(value))) if value else None
+    except ValueError:
+        return None
 
 
 def _backoff(attempt: int, initial: float, most: float) -> float:

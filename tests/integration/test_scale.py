@@ -34,6 +34,7 @@ NODES = 128
 STORM_SETTINGS = {
     "rate_per_source": "1000000",
     "rate_source_burst": "1000000",
+    "connections_per_source": "1000000",
     # every agent here reports from 127.0.0.1; in a cluster each pod has its own address
     "token_reviews_per_source": "1000000",
     "token_review_source_burst": "1000000",

@@ -31,10 +31,20 @@ class Operator:
     """A stand-in intake: records what arrives; answers with ``statuses`` in turn (then
     200), after ``delay`` seconds."""
 
-    def __init__(self, port: int, *, delay: float = 0.0, statuses: list[int] | None = None):
+    def __init__(
+        self,
+        port: int,
+        *,
+        delay: float = 0.0,
+        statuses: list[int] | None = None,
+        retry_after: str | None = None,
+    ):
         self.received: list[tuple[dict[str, str], Any]] = []
+        self.arrived: list[tuple[float, str]] = []
+        """Every request: when (monotonic), and the kind of report."""
         self.delay = delay
         self.statuses = list(statuses or [])
+        self.retry_after = retry_after
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -42,9 +52,12 @@ class Operator:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 time.sleep(owner.delay)
                 status = owner.statuses.pop(0) if owner.statuses else 200
+                owner.arrived.append((time.monotonic(), parse_report(body).kind))
                 if status == 200:
                     owner.received.append((dict(self.headers), parse_report(body)))
                 self.send_response(status)
+                if status != 200 and owner.retry_after is not None:
+                    self.send_header("Retry-After", owner.retry_after)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"{}")
@@ -224,6 +237,61 @@ def test_server_errors_are_retried_refusals_are_not(port: int, token: Path) -> N
         assert reporter.close(10)
         assert [r.step for _, r in operator.received] == [1]
         assert (reporter.delivered, reporter.refused) == (1, 1)
+    finally:
+        operator.stop()
+
+
+def test_a_shed_heartbeat_waits_its_retry_after_and_a_verdict_goes_meanwhile(
+    port: int, token: Path
+) -> None:
+    """The operator sheds a heartbeat (429, Retry-After: 2): it is sent again no sooner
+    than 2 s later (its back-off alone would be at most 0.2 s), and a verdict submitted in
+    between is delivered at once. Before: the Reporter's thread slept through its back-off,
+    verdicts included, and ignored Retry-After."""
+    operator = Operator(port, statuses=[429], retry_after="2")
+    try:
+        reporter = make(port, token, heartbeat_jitter_seconds=0)
+        began = time.monotonic()
+        reporter.submit(heartbeat(1))
+        while not operator.arrived:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        reporter.submit(verdict(2))
+        assert reporter.flush(10)
+        (shed, first), (verdict_at, second), (again, third) = operator.arrived
+        assert (first, second, third) == ("heartbeat", "verdict", "heartbeat")
+        assert verdict_at - shed < 1.0, "the verdict waited behind the heartbeat's Retry-After"
+        assert again - shed >= 1.9, f"sent again after {again - shed:.2f} s, not 2"
+        assert [r.kind for _, r in operator.received] == ["verdict", "heartbeat"]
+        assert time.monotonic() - began < 5
+        assert reporter.refused == 0
+    finally:
+        operator.stop()
+
+
+def test_heartbeats_are_spread_with_jitter_verdicts_are_not(port: int, token: Path) -> None:
+    """A heartbeat waits a random 0 to ``heartbeat_jitter_seconds``; a verdict submitted
+    with it (the same audit step) goes at once, and flush() sends what waits for jitter."""
+    operator = Operator(port)
+    try:
+        waits = []
+        for step in range(1, 9):  # (a verdict's last clean step, step - 1, is >= 0)
+            reporter = make(port, token, heartbeat_jitter_seconds=0.5)
+            submitted = time.monotonic()
+            reporter.submit(heartbeat(step))
+            reporter.submit(verdict(step))
+            while len(operator.arrived) < 2 * step:
+                time.sleep(0.005)
+            (verdict_at, v), (heartbeat_at, h) = operator.arrived[-2:]
+            assert (v, h) == ("verdict", "heartbeat")
+            assert verdict_at - submitted < 0.3
+            waits.append(heartbeat_at - submitted)
+            reporter.close(1)
+        assert max(waits) <= 1.0 and max(waits) - min(waits) > 0.05, waits  # spread, bounded
+        reporter = make(port, token, heartbeat_jitter_seconds=60)
+        reporter.submit(heartbeat(99))
+        assert reporter.flush(2), "flush() waited for the jitter"
+        assert operator.kinds()[-1] == "heartbeat"
     finally:
         operator.stop()
 
