@@ -666,13 +666,22 @@ _LANE = "sdc_lane"
 
 
 def _kind_of(raw: bytes) -> str | None:
-    """The ``kind`` a report body says it is; ``None`` where it is not a JSON object."""
+    """The ``kind`` a report body says it is; ``None`` where it is not a JSON object or
+    says it twice (refused later, with the reason, like any other bad body)."""
+    outer: list[list[tuple[str, Any]]] = [[]]
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        outer[0] = items  # the outermost object is the last one parsed
+        return dict(items)
+
     try:
-        report = json.loads(raw)
+        report = json.loads(raw, object_pairs_hook=pairs)
     except ValueError:
         return None
-    kind = report.get("kind") if isinstance(report, dict) else None
-    return kind if isinstance(kind, str) else None
+    kinds = [v for k, v in outer[0] if k == "kind"]
+    if not isinstance(report, dict) or len(kinds) != 1:
+        return None
+    return kinds[0] if isinstance(kinds[0], str) else None
 
 
 RAN_PHASES = frozenset({"Running", "Succeeded"})
