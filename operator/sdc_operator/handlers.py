@@ -27,7 +27,7 @@ from .errors import ApiError, OperatorError
 from .heartbeats import Heartbeats
 from .intake import Intake, json_error_middleware
 from .kube import Endpoint, Kube
-from .leader import LeaderElector, Members
+from .leader import ElectionThread, Members
 from .listeners import GuardedSite
 from .localize import InstanceResolver
 from .metrics import Metrics
@@ -103,7 +103,7 @@ class Operator:
         )
         self.heartbeats = Heartbeats(metrics)
         self.key: AttestationKey | None = None
-        self.elector: LeaderElector | None = None
+        self.elector: ElectionThread | None = None
         self.members = Members(
             self.membership,
             settings.namespace,
@@ -235,7 +235,7 @@ class Operator:
         self.engine_ready = True
         s = self.settings
         if s.leader_election:
-            self.elector = LeaderElector(
+            self.elector = ElectionThread(
                 self.coordination,
                 s.namespace,
                 s.lease_name,
@@ -352,10 +352,11 @@ class Operator:
             self.lookups,
             self.records,
             self.containment,
-            self.coordination,
             self.membership,
         ):
             await kube.close()
+        if self.elector is None:  # (else closed on the election's own thread)
+            await self.coordination.close()
 
 
 @kopf.on.startup()

@@ -15,6 +15,12 @@ each replica, and this module decides which one acts (patches, SageMaker calls).
   after the leader died: 12 s with the default 10.
 - A replica that stops cleanly gives the Lease up, so a rolling update hands over at once.
 
+The election runs on a thread and event loop of its own (:class:`ElectionThread`), with
+its own connections to the API server: a storm that saturates the intake's event loop
+cannot delay a renewal past the deadline and cost the leader its Lease. Its decisions reach
+the operator's loop as callbacks; a standby waits a whole ``lease_seconds`` on its own
+clock, so the leader's loop has ``0.3 * lease_seconds`` to take in a "stop acting".
+
 Each replica also keeps a member Lease (``<lease>-member-<hash of its name>``) that says,
 in an annotation, when it last heard a heartbeat from each job; the leader reads them to
 tell a silent job from one whose heartbeats went to the other replica.
@@ -26,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -35,7 +42,7 @@ from .errors import ApiError
 from .kube import Kube, is_conflict, is_not_found
 from .names import GROUP
 
-__all__ = ["LeaderElector", "Members", "micro_time"]
+__all__ = ["ElectionThread", "LeaderElector", "Members", "micro_time"]
 
 log = logging.getLogger(__name__)
 COORDINATION = "coordination.k8s.io/v1"
@@ -212,6 +219,78 @@ class LeaderElector:
                 await self.kube.replace(COORDINATION, "leases", self.namespace, lease)
         except ApiError as exc:
             log.warning("leader election: could not give the Lease up: %s", exc)
+
+
+class ElectionThread:
+    """A :class:`LeaderElector` on a thread and event loop of its own, whose ``kube`` is
+    used (and closed) there only; ``on_start`` and ``on_stop`` run on the loop that called
+    :meth:`start`."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        identity: str,
+        lease_seconds: float,
+        *,
+        on_start: Callable[[], None],
+        on_stop: Callable[[], None],
+    ) -> None:
+        self._on_start, self._on_stop = on_start, on_stop
+        self.elector = LeaderElector(
+            kube,
+            namespace,
+            name,
+            identity,
+            lease_seconds,
+            on_start=self._started,
+            on_stop=self._stopped,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="leader election", daemon=True)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.elector.is_leader
+
+    @property
+    def holder(self) -> str:
+        return self.elector.holder
+
+    def start(self) -> None:
+        self._main = asyncio.get_running_loop()
+        self._thread.start()
+
+    def _started(self) -> None:
+        self._main.call_soon_threadsafe(self._on_start)
+
+    def _stopped(self) -> None:
+        self._main.call_soon_threadsafe(self._on_stop)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self.elector.start)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def stop(self) -> None:
+        """Stop the election (giving the Lease up if held), then the thread."""
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown() -> None:
+            try:
+                await self.elector.stop()
+            finally:
+                await self.elector.kube.close()
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(shutdown(), self._loop))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join, 10)
 
 
 class Members:

@@ -46,6 +46,9 @@ class Leases:
         }
         return self.lease
 
+    async def close(self) -> None:
+        pass
+
     async def replace(self, api_version: str, plural: str, namespace: str | None, body: Any) -> Any:
         if self.down:
             raise ApiError(0, "unreachable")
@@ -296,3 +299,44 @@ def test_a_standby_forgets_the_jobs_that_stopped() -> None:
     beats.refresh(window=600)
     assert beats.jobs == {}
     assert "hyperpod_sdc_heartbeat_age_seconds{" not in generate_latest(metrics.registry).decode()
+
+
+def test_a_saturated_event_loop_does_not_cost_the_lease() -> None:
+    """The operator's event loop blocked for 3 s (a storm of handshakes and reports), with
+    a 1 s Lease (renewed every 0.2 s, given up after 0.7 s unrenewed): the election on its
+    own thread and loop keeps renewing and never stops acting. The same election on the
+    blocked loop itself (as before) gives the Lease up, which shows the test can fail."""
+    from sdc_operator.leader import ElectionThread
+
+    async def block(threaded: bool) -> tuple[list[str], int]:
+        leases = Leases()
+        events: list[str] = []
+        kwargs: dict[str, Any] = {
+            "on_start": lambda: events.append("start"),
+            "on_stop": lambda: events.append("stop"),
+        }
+        elector: Any = (
+            ElectionThread(leases, "ns", "lease", "me", 1.0, **kwargs)  # type: ignore[arg-type]
+            if threaded
+            else LeaderElector(leases, "ns", "lease", "me", 1.0, **kwargs)  # type: ignore[arg-type]
+        )
+        elector.start()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if events:
+                break
+        assert events == ["start"] and elector.is_leader
+        before = leases.version
+        time.sleep(3.0)  # the loop runs nothing at all
+        await asyncio.sleep(0.5)  # and then catches up
+        renewed = leases.version - before
+        if threaded:
+            assert elector.is_leader
+        await elector.stop()
+        return events, renewed
+
+    events, renewed = asyncio.run(block(threaded=True))
+    assert events == ["start", "stop"], events  # the stop is the clean shutdown's
+    assert renewed >= 10, f"{renewed} renewals in 3.5 s"
+    events, renewed = asyncio.run(block(threaded=False))
+    assert events[:2] == ["start", "stop"], "the election on the blocked loop kept its Lease"
