@@ -27,12 +27,24 @@ containment time against N, and what it predicts for 2,000 nodes.
 such an operator may know none of the newer settings and metrics.
 
 Everything shares this machine's cores: the API server, etcd, the operator and the senders.
+
+``--production`` runs each size as the chart deploys the operator: TLS with an ECDSA P-256
+certificate, the chart's operator settings (values.yaml: rate limits, connection limits,
+lease, resync), each agent from its own loopback address (127.1.x.y), the chart's memory
+limit (a cgroup v1 limit where the machine allows one), and each storm (elected reporters,
+every node) released together with every node's heartbeat. It prints how much CPU the
+load generator (this process) used, the lease's fate, and where it departs from the chart:
+
+    flock /tmp/hyperpod-cpu.lock .venv/bin/python bench/operator_scale.py --production \
+        --nodes 512 1024 2048
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +84,7 @@ def fit(xs: list[float], ys: list[float]) -> dict[str, float]:
         "intercept": round(a, 4),
         "per_node": round(b, 6),
         "at_2000_nodes": round(a + b * 2000, 3),
+        "at_4096_nodes": round(a + b * 4096, 3),
     }
 
 
@@ -168,11 +181,175 @@ def run(nodes: int, operator_src: Path | None, tmp: Path) -> dict[str, Any]:
         cluster.stop()
 
 
+CHART = ROOT / "charts" / "hyperpod-sdc"
+CHART_MEMORY_LIMIT_MIB = 1024
+"""The chart's resources.limits.memory (1Gi)."""
+DEPARTURES = [
+    "agents are tests/integration/storm.py senders, not sdc_agent.reporter.Reporter: the "
+    "same 5 s timeout and full-jitter back-off, but no heartbeat jitter and Retry-After "
+    "ignored (the worst case for the intake: every heartbeat of the burst arrives at once)",
+    "one replica (the chart runs two; the Service would split the connections between them)",
+    "an admin kubeconfig: the chart's RBAC is not applied",
+    "pods carry the creator marker the admission webhook would write, written by the bench",
+    "HYPERPOD_SDC_NAMESPACES is the job's namespace (the chart watches every namespace)",
+    "the operator's memory limit is a cgroup v1 limit on its growth after start-up where "
+    "the machine allows one, else peak RSS from /proc compared with the chart's limit",
+]
+
+
+def chart_settings() -> dict[str, str]:
+    """The chart's operator values (values.yaml), as the operator's settings."""
+    import re
+
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "operator"))
+    from sdc_operator.settings import ENV_OF_FIELD
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]
+    out = {}
+    for key, value in values.items():
+        field = re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()
+        if field in ENV_OF_FIELD and not isinstance(value, list | dict) and value != "":
+            out[field] = str(value).lower() if isinstance(value, bool) else str(value)
+    out.pop("namespaces", None)
+    return out
+
+
+def production(nodes: int, tmp: Path) -> dict[str, Any]:
+    """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
+    chart's settings, each agent from its own loopback address; storms of the elected
+    reporters and of every node, each released together with every node's heartbeat."""
+    import resource
+
+    from tests.tls import issue
+
+    directory = tmp / f"tls-{nodes}"
+    directory.mkdir()
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-days", "1", "-subj", "/CN=bench-ca", "-keyout", str(ca_key),
+         "-out", str(ca_cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    key, cert = issue(directory, (ca_key, ca_cert), "tls", algorithm="ec")
+    trust = ssl.create_default_context(cafile=str(ca_cert))
+    cluster = Cluster(tmp / f"apiserver-{nodes}")
+    try:
+        namespace = cluster.namespace()
+        made = time.monotonic()
+        job, tokens = storm.job_of(cluster, namespace, nodes)
+        sources = [storm.source_of(i) for i in range(nodes)]
+        setup_s = time.monotonic() - made
+        settings: Any = {**chart_settings(), "log_level": "WARNING"}
+        op = OperatorProcess(
+            cluster,
+            namespace,
+            tmp / f"op-{nodes}.log",
+            scheme="https",
+            tls_cert_file=str(cert),
+            tls_key_file=str(key),
+            **settings,
+        )
+        group = _memory_cgroup(op.proc.pid)
+        try:
+            result: dict[str, Any] = {"nodes": nodes, "setup_s": round(setup_s, 1)}
+            result["operator_rss_after_start_mb"] = round(storm.rss_peak_mb(op.proc.pid), 1)
+            result["memory_limit"] = (
+                f"cgroup: growth limited to {group[1] / 2**20:.0f} MiB"
+                if group
+                else "no cgroup: peak RSS checked"
+            )
+            senders, _ = storm.burst(op.url, storm.heartbeats(job), tokens, trust, sources)
+            result["heartbeats_cold"] = storm.summary(senders)
+            for label, reporters, suspect, step in (
+                ("elected_with_heartbeats", storm.elected(nodes, nodes // 3), nodes // 3, 115),
+                ("every_node_with_heartbeats", list(range(nodes)), (2 * nodes) // 3, 215),
+            ):
+                watcher = storm.Contained(cluster, namespace, step)
+                cpu = storm.cpu_seconds(op.proc.pid)
+                own = resource.getrusage(resource.RUSAGE_SELF)
+                bodies = storm.verdicts(job, reporters, suspect, step) + storm.heartbeats(job)
+                who = [tokens[i] for i in reporters] + tokens
+                where = [sources[i] for i in reporters] + sources
+                senders, released = storm.burst(op.url, bodies, who, trust, where)
+                contained = watcher.wait(120)
+                mine = resource.getrusage(resource.RUSAGE_SELF)
+                got = {
+                    "contained_s": round(contained - released, 3) if contained else None,
+                    "verdicts": storm.summary(senders[: len(reporters)]),
+                    "heartbeats": storm.summary(senders[len(reporters) :]),
+                    "first_attempts_answered_within_5_s": round(
+                        sum(
+                            1
+                            for x in senders
+                            if x.attempts
+                            and x.attempts[0][0].isdigit()
+                            and x.attempts[0][1] < storm.TIMEOUT_SECONDS
+                        )
+                        / len(senders),
+                        4,
+                    ),
+                    "operator_cpu_s": round(storm.cpu_seconds(op.proc.pid) - cpu, 2),
+                    "generator_cpu_s": round(
+                        mine.ru_utime + mine.ru_stime - own.ru_utime - own.ru_stime, 2
+                    ),
+                }
+                result[label] = got
+            result["operator_peak_rss_mb"] = round(storm.rss_peak_mb(op.proc.pid), 1)
+            result["under_chart_limit"] = result["operator_peak_rss_mb"] < CHART_MEMORY_LIMIT_MIB
+            result["operator_alive"] = op.proc.poll() is None
+            result["lease_lost"] = "no longer acting" in op.log()
+        finally:
+            op.stop()
+            if group:
+                group[0].rmdir()
+        return result
+    finally:
+        cluster.stop()
+
+
+def _memory_cgroup(pid: int) -> tuple[Path, int] | None:
+    """``pid`` moved into a cgroup v1 memory group that limits its growth so that it
+    stays under the chart's limit; ``None`` where the machine allows none."""
+    path = Path("/sys/fs/cgroup/memory") / f"bench-operator-{pid}"
+    try:
+        path.mkdir()
+    except OSError:
+        return None
+    limit = int((CHART_MEMORY_LIMIT_MIB - storm.rss_peak_mb(pid)) * 2**20)
+    (path / "memory.limit_in_bytes").write_text(str(limit))
+    (path / "cgroup.procs").write_text(str(pid))
+    return path, limit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--operator-src", type=Path, default=None)
+    parser.add_argument(
+        "--production",
+        action="store_true",
+        help="the chart's configuration: TLS (ECDSA), the chart's settings, an address per "
+        "agent, heartbeat bursts with the verdicts (what departs from the chart is printed)",
+    )
     args = parser.parse_args()
+    if args.production:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = []
+            for nodes in args.nodes:
+                runs.append(production(nodes, Path(tmp)))
+                print(json.dumps(runs[-1]), file=sys.stderr)
+        xs = [float(r["nodes"]) for r in runs]
+        fits = {}
+        for label in ("elected_with_heartbeats", "every_node_with_heartbeats"):
+            ys = [r[label]["contained_s"] for r in runs]
+            if all(isinstance(y, int | float) for y in ys):
+                fits[f"{label}.contained_s"] = fit(xs, ys)
+        fits["operator_peak_rss_mb"] = fit(xs, [r["operator_peak_rss_mb"] for r in runs])
+        print(json.dumps({"departures_from_the_chart": DEPARTURES, "runs": runs, "fits": fits}))
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for nodes in args.nodes:

@@ -24,14 +24,21 @@ def make_ca(directory: Path, name: str = "ca") -> tuple[Path, Path]:
     return key, cert
 
 
-def issue(directory: Path, ca: tuple[Path, Path], name: str = "tls") -> tuple[Path, Path]:
-    """A serving certificate for 127.0.0.1 signed by ``ca`` (its key, certificate):
-    (key, certificate)."""
+def issue(
+    directory: Path, ca: tuple[Path, Path], name: str = "tls", algorithm: str = "rsa"
+) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1 signed by ``ca`` (its key, certificate), with
+    an RSA-2048 or (``algorithm="ec"``) an ECDSA P-256 key: (key, certificate)."""
+    new_key = (
+        ["-newkey", "rsa:2048"]
+        if algorithm == "rsa"
+        else ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+    )
     key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
     ext = directory / f"{name}.ext"
     ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     _openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+        "req", *new_key, "-nodes", "-subj", "/CN=127.0.0.1",
         "-keyout", str(key), "-out", str(csr),
     )  # fmt: skip
     _openssl(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import ssl
 import threading
 import time
 import urllib.parse
@@ -50,16 +51,37 @@ def job_of(cluster: Cluster, namespace: str, nodes: int) -> tuple[Job, list[str]
     return job, [cluster.token(namespace, pod) for pod in pods]
 
 
-def _send(url: str, body: bytes, token: str, sender: Sender, start: threading.Event) -> None:
+def _send(
+    url: str,
+    body: bytes,
+    token: str,
+    sender: Sender,
+    start: threading.Event,
+    context: ssl.SSLContext | None = None,
+    source: str | None = None,
+) -> None:
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname and parts.port
     start.wait()
     attempt = 0
     deadline = time.monotonic() + 120
+    bind = (source, 0) if source else None
     while time.monotonic() < deadline:
         began = time.monotonic()
         outcome = ""
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT_SECONDS)
+        conn: http.client.HTTPConnection = (
+            http.client.HTTPSConnection(
+                parts.hostname,
+                parts.port,
+                timeout=TIMEOUT_SECONDS,
+                context=context,
+                source_address=bind,
+            )
+            if parts.scheme == "https"
+            else http.client.HTTPConnection(
+                parts.hostname, parts.port, timeout=TIMEOUT_SECONDS, source_address=bind
+            )
+        )
         try:
             conn.request(
                 "POST",
@@ -84,14 +106,21 @@ def _send(url: str, body: bytes, token: str, sender: Sender, start: threading.Ev
         attempt += 1
 
 
-def burst(url: str, bodies: list[bytes], tokens: list[str]) -> tuple[list[Sender], float]:
-    """Every body sent at once, each from its own thread and connection; the senders and
-    the monotonic time they were released."""
+def burst(
+    url: str,
+    bodies: list[bytes],
+    tokens: list[str],
+    context: ssl.SSLContext | None = None,
+    sources: list[str] | None = None,
+) -> tuple[list[Sender], float]:
+    """Every body sent at once, each from its own thread and connection (from
+    ``sources[i]`` where given); the senders and the monotonic time they were released."""
     start = threading.Event()
     senders = [Sender() for _ in bodies]
+    where = sources or [None] * len(bodies)  # type: ignore[list-item]
     threads = [
-        threading.Thread(target=_send, args=(url, b, t, s, start), daemon=True)
-        for b, t, s in zip(bodies, tokens, senders, strict=True)
+        threading.Thread(target=_send, args=(url, b, t, s, start, context, a), daemon=True)
+        for b, t, s, a in zip(bodies, tokens, senders, where, strict=True)
     ]
     for thread in threads:
         thread.start()
@@ -101,6 +130,12 @@ def burst(url: str, bodies: list[bytes], tokens: list[str]) -> tuple[list[Sender
     for thread in threads:
         thread.join(150)
     return senders, released
+
+
+def source_of(node: int) -> str:
+    """A loopback address of its own for node ``node``'s agent (127.0.0.0/8 is all
+    loopback on Linux): 127.1.0.1, 127.1.0.2, ..."""
+    return f"127.{1 + node // 62500}.{(node // 250) % 250}.{1 + node % 250}"
 
 
 def heartbeats(job: Job) -> list[bytes]:
