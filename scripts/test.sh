@@ -5,9 +5,10 @@
 #   scripts/test.sh --fast [PYTEST ARGS]
 #
 # is the tier to run between changes, under 3 minutes on 2 cores: lint (no mypy) and the
-# tests marked by FAST_TIER below: unit, operator and chart tests that are not slow, the
+# tests selected by the --fast branch below: unit, operator and chart tests that are not slow, the
 # three-rank world of tests/distributed/test_checks.py (every short fault scenario and the
 # bit-identity check against plain DDP) and the eight integration tests marked fast.
+# Extra arguments go to pytest; with any, the full suite is one pass of exactly them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fast=false
@@ -34,9 +35,30 @@ scripts/kube-apiserver.sh build
 echo "== promtool"
 scripts/promtool.sh >/dev/null || echo "promtool unavailable: tests/chart/test_dashboard.py says why"
 echo "== pytest"
+# Test processes (pytest-xdist): most of the suite waits (process start-ups, the operator's
+# resyncs), so more processes than cores pay. Each process has its own API server, ports and
+# temporary directories; a file's tests stay in one process (--dist loadfile: the
+# module-scoped worlds and operators are built once).
+workers="${HYPERPOD_SDC_TEST_WORKERS:-4}"
+# Two passes: the tests selected by the marker expression $1 (empty: all) that are not
+# marked timing, spread over the processes; then those marked timing (deadlines, lease
+# renewals, probabilistic detection) one at a time, so that their stated margins hold on a
+# machine no other test loads.
+two_passes() {
+    local selected="${1:+($1) and }" status=0
+    shift
+    .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "${selected}not timing" "$@" \
+        || status=$?
+    echo "== pytest: the timing tests, one at a time"
+    .venv/bin/python -m pytest -m "${selected}timing" "$@" || status=$?
+    return "$status"
+}
 if $fast; then
     # Markers: pyproject.toml; tests/conftest.py marks every test with its folder.
-    FAST_TIER="(unit or operator or chart or fast) and not slow"
-    exec .venv/bin/python -m pytest -m "$FAST_TIER" "$@"
+    two_passes "(unit or operator or chart or fast) and not slow" "$@"
+elif [[ $# -gt 0 ]]; then
+    # A selection of the caller's: one pass, as given (add -n N to spread it).
+    .venv/bin/python -m pytest "$@"
+else
+    two_passes ""
 fi
-.venv/bin/python -m pytest "$@"
