@@ -54,8 +54,9 @@ two_passes() {
     return "$status"
 }
 if $fast; then
-    # Markers: pyproject.toml; tests/conftest.py marks every test with its folder.
-    two_passes "(unit or operator or chart or fast) and not slow" "$@"
+    # Markers: pyproject.toml; tests/conftest.py marks every test with its folder. One
+    # process: its eight integration tests share one API server.
+    .venv/bin/python -m pytest -m "(unit or operator or chart or fast) and not slow" "$@"
 elif [[ $# -gt 0 ]]; then
     # A selection of the caller's: one pass, as given (add -n N to spread it).
     .venv/bin/python -m pytest "$@"
