@@ -10,7 +10,7 @@ A report is checked in this order, cheapest first, and the first failure answers
    plausible shape (401): no API call so far;
 3. the body, whole, within ``body_timeout_seconds`` (408); then its lane: a heartbeat is
    shed (429 with ``Retry-After``) while a verdict is in flight, or arrived in the last
-   second, or while ``max_heartbeats_in_flight`` heartbeats are (verdicts first);
+   5 s, or while ``max_heartbeats_in_flight`` heartbeats are (verdicts first);
 4. the token -> the reporting pod (TokenReview, cached; 401), which must still exist (403);
 5. the pod's namespace is admitted by an ``SDCPolicy`` (403 ``namespace_not_admitted``);
 6. the pod's controlling owner -> an opted-in job (403), the pod fits that job and was
@@ -659,9 +659,11 @@ class Intake:
         return found
 
 
-VERDICT_QUIET = 1.0
+VERDICT_QUIET = 5.0
 """Seconds after a verdict was answered during which heartbeats are still shed: the other
-reporters' verdicts of the same audit arrive in that time."""
+reporters' verdicts of the same audit arrive in that time, and containment (which follows
+the answer) writes to the API server. At 2,048 nodes with 1 s, the heartbeats accepted after
+the verdict's answer delayed containment to 3.7 s (bench/operator_scale.py --production)."""
 _LANE = "sdc_lane"
 
 

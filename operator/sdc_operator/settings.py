@@ -189,7 +189,7 @@ class OperatorSettings:
     Bounds memory: each holds at most one body of ``max_body_bytes``."""
     max_heartbeats_in_flight: int = 256
     """Heartbeats processed at once: the heartbeats' own lane. Past it, and while a verdict
-    is in flight or arrived in the last second, a heartbeat is answered 429 with a
+    is in flight or arrived in the last 5 s, a heartbeat is answered 429 with a
     ``Retry-After`` of ``heartbeat_retry_after_seconds`` to twice that (spread at random)
     as soon as its body is read, so that a verdict never waits behind heartbeats."""
     heartbeat_retry_after_seconds: float = 5.0
