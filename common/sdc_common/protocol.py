@@ -7,15 +7,20 @@ object, at most :data:`MAX_REPORT_BYTES` bytes, sent as ``POST /v1/reports`` wit
 token. The operator derives the job from the token's pod, never from the report. Three kinds
 share an envelope::
 
-    {"version": 1, "kind": "verdict" | "heartbeat" | "checkpoint",
+    {"version": 2, "kind": "verdict" | "heartbeat" | "checkpoint" | "resume",
      "sent_at": <seconds since the epoch>,
      "reporter": {"rank": 0, "node": "hyperpod-i-0abc...", "pod": "job-worker-0"}, ...}
 
 :func:`parse_report` validates and returns a frozen dataclass; every problem raises
-:class:`~sdc_agent.errors.ProtocolError` naming the field (``suspects[1].rank``). Unknown
-fields are errors too: a typo must not pass silently. :func:`report_schema` gives the same
-rules as a JSON Schema; ``python -m sdc_agent.protocol`` prints it. Documented, with
-examples, in ``docs/protocol.md``.
+:class:`~sdc_common.errors.ProtocolError` naming the field (``suspects[1].rank``).
+
+Compatibility (``docs/protocol.md``, "Versions"): a receiver reads the current version
+and the previous one (:data:`ACCEPTED_VERSIONS`). Version 1 refuses every unknown field.
+From version 2 on, an unknown field is ignored (and named to the caller) unless the report
+lists it in ``must_understand``, which makes it required: then the report is refused with
+an error naming it. :func:`encode_report` writes any accepted version, leaving out (and
+naming) what the older one cannot carry. :func:`report_schema` gives the rules as a JSON
+Schema; ``python -m sdc_common.protocol`` prints it.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ from typing import Any
 from .errors import ProtocolError
 
 __all__ = [
+    "ACCEPTED_VERSIONS",
     "CHECKS",
     "CLASSIFICATIONS",
     "MAX_REPORT_BYTES",
+    "PREVIOUS_PROTOCOL_VERSION",
+    "PROTOCOL_HEADER",
     "PROTOCOL_VERSION",
     "CheckpointReport",
     "HeartbeatReport",
@@ -46,7 +54,16 @@ __all__ = [
     "report_schema",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""The version this side writes."""
+PREVIOUS_PROTOCOL_VERSION = 1
+ACCEPTED_VERSIONS = (PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION)
+"""What this side reads: agents ship inside users' images and lag the operator by weeks."""
+PROTOCOL_HEADER = "Hyperpod-Sdc-Protocol"
+"""On every answer of the operator's intake: the versions it accepts, ``"1, 2"``. An
+operator from before this header speaks version 1 only."""
+MAX_MUST_UNDERSTAND = 64
+MAX_UNREPORTED = 64
 MAX_REPORT_BYTES = 64 * 1024
 """Largest accepted report; the agent trims evidence to fit."""
 CHECKS = ("nonfinite", "replay", "weights")
@@ -136,6 +153,10 @@ class HeartbeatReport:
     """Whether the audit has found the job bit-reproducible across processes."""
     run_id: str | None = None
     """As in a verdict."""
+    unreported: tuple[str, ...] = ()
+    """Fields this agent has but the operator does not read (left out for an older
+    protocol, or ignored by the operator): what the operator does not learn from it.
+    Protocol 2."""
     kind: str = "heartbeat"
     version: int = PROTOCOL_VERSION
 
@@ -172,7 +193,15 @@ Report = VerdictReport | HeartbeatReport | CheckpointReport | ResumeReport
 # -- validation ------------------------------------------------------------------------------
 
 
-def _obj(value: Any, path: str, required: set[str], optional: set[str]) -> dict[str, Any]:
+def _obj(
+    value: Any,
+    path: str,
+    required: set[str],
+    optional: set[str],
+    unknown: list[str] | None = None,
+) -> dict[str, Any]:
+    """``value`` as an object with ``required`` and ``optional`` keys; another key is an
+    error, or, given ``unknown``, is appended there (its path) and ignored."""
     if not isinstance(value, dict):
         raise ProtocolError(path or "report", f"must be a JSON object, got {_kind(value)}")
     _no_duplicates(value, path)
@@ -180,7 +209,9 @@ def _obj(value: Any, path: str, required: set[str], optional: set[str]) -> dict[
         if not isinstance(key, str):
             raise ProtocolError(path or "report", f"has a key that is not a string: {key!r}")
         if key not in required and key not in optional:
-            raise ProtocolError(_join(path, key), "unknown field")
+            if unknown is None:
+                raise ProtocolError(_join(path, key), "unknown field")
+            unknown.append(_join(path, key))
     for key in sorted(required):
         if key not in value:
             raise ProtocolError(_join(path, key), "is required")
@@ -255,8 +286,8 @@ def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-def _reporter(value: Any) -> ReporterIdentity:
-    d = _obj(value, "reporter", {"rank", "node"}, {"pod"})
+def _reporter(value: Any, unknown: list[str] | None) -> ReporterIdentity:
+    d = _obj(value, "reporter", {"rank", "node"}, {"pod"}, unknown)
     return ReporterIdentity(
         rank=_int(d["rank"], "reporter.rank"),
         node=_req_str(d["node"], "reporter.node", _MAX_NAME),
@@ -270,8 +301,8 @@ def _req_str(value: Any, path: str, limit: int) -> str:
     return out
 
 
-def _suspect(value: Any, path: str) -> Suspect:
-    d = _obj(value, path, {"rank", "node", "local_rank"}, {"pod", "gpu_uuid"})
+def _suspect(value: Any, path: str, unknown: list[str] | None) -> Suspect:
+    d = _obj(value, path, {"rank", "node", "local_rank"}, {"pod", "gpu_uuid"}, unknown)
     return Suspect(
         rank=_int(d["rank"], f"{path}.rank"),
         node=_req_str(d["node"], f"{path}.node", _MAX_NAME),
@@ -282,7 +313,10 @@ def _suspect(value: Any, path: str) -> Suspect:
 
 
 _ENVELOPE = {"version", "kind", "sent_at", "reporter"}
-_FIELDS = {
+_ENVELOPE_OPTIONAL = {"must_understand"}
+# Version 1's fields, frozen: what an agent or operator of the first release knows. A field
+# added later is optional to a version-2 receiver and left out when writing version 1.
+_V1_FIELDS = {
     "verdict": (
         {"check", "classification", "step", "last_clean_step", "localized", "suspects", "message"},
         {"transient", "evidence", "corroborated", "run_id", "bundle"},
@@ -301,10 +335,37 @@ _FIELDS = {
     "checkpoint": ({"step", "location", "verified"}, set()),
     "resume": ({"step"}, {"location"}),
 }
+_FIELDS = {
+    "verdict": (
+        {"check", "classification", "step", "last_clean_step", "localized", "suspects", "message"},
+        {"transient", "evidence", "corroborated", "run_id", "bundle"},
+    ),
+    "heartbeat": (
+        {"step", "last_clean_step"},
+        {
+            "check_seconds",
+            "interval_seconds",
+            "fingerprint_kernel",
+            "gradient_tolerance",
+            "bit_reproducible",
+            "run_id",
+            "unreported",
+        },
+    ),
+    "checkpoint": ({"step", "location", "verified"}, set()),
+    "resume": ({"step"}, {"location"}),
+}
 
 
-def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
-    """Validate a report (raw JSON or an already decoded object) and return it."""
+def parse_report(
+    data: bytes | str | Mapping[str, Any], *, ignored: list[str] | None = None
+) -> Report:
+    """Validate a report (raw JSON or an already decoded object) and return it.
+
+    A version-2 report's unknown fields (paths such as ``mesh`` or ``reporter.zone``) are
+    ignored and appended to ``ignored`` where given; one the report names in
+    ``must_understand`` is refused instead. A version-1 report is held to version 1: any
+    field it did not have is an error."""
     if isinstance(data, bytes | bytearray):
         if len(data) > MAX_REPORT_BYTES:
             raise ProtocolError("report", f"is larger than {MAX_REPORT_BYTES} bytes")
@@ -337,15 +398,25 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
     if "version" not in data:
         raise ProtocolError("version", "is required")
     version = data["version"]
-    if type(version) is not int or version != PROTOCOL_VERSION:
+    if type(version) is not int or version not in ACCEPTED_VERSIONS:
+        accepted = " and ".join(map(str, ACCEPTED_VERSIONS))
         raise ProtocolError(
             "version",
-            f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
+            f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION} "
+            f"and accepts {accepted}",
         )
     kind = _choice(data.get("kind"), "kind", KINDS)
-    required, optional = _FIELDS[kind]
-    d = _obj(data, "", _ENVELOPE | required, optional)
-    reporter = _reporter(d["reporter"])
+    unknown: list[str] | None = None
+    must: frozenset[str] = frozenset()
+    if version == 1:
+        required, optional = _V1_FIELDS[kind]
+        d = _obj(data, "", _ENVELOPE | required, optional)
+    else:
+        required, optional = _FIELDS[kind]
+        unknown = []
+        d = _obj(data, "", _ENVELOPE | required, optional | _ENVELOPE_OPTIONAL, unknown)
+        must = _must_understand(d.get("must_understand"))
+    reporter = _reporter(d["reporter"], unknown)
     sent_at = _num(d["sent_at"], "sent_at")
     if kind == "heartbeat":
         seconds = d.get("check_seconds", {})
@@ -355,7 +426,7 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         for name in seconds:
             _choice(name, f"check_seconds.{name}", CHECKS)
         step = _int(d["step"], "step")
-        return HeartbeatReport(
+        report: Report = HeartbeatReport(
             reporter=reporter,
             sent_at=sent_at,
             step=step,
@@ -370,22 +441,48 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
             gradient_tolerance=_opt_num(d.get("gradient_tolerance"), "gradient_tolerance"),
             bit_reproducible=_bool(d.get("bit_reproducible"), "bit_reproducible", nullable=True),
             run_id=_run_id(d.get("run_id")),
+            unreported=_unreported(d.get("unreported")),
+            version=version,
         )
-    if kind == "resume":
-        return ResumeReport(
+    elif kind == "resume":
+        report = ResumeReport(
             reporter=reporter,
             sent_at=sent_at,
             step=_int(d["step"], "step"),
             location=_str(d.get("location"), "location", limit=_MAX_TEXT, nullable=True),
+            version=version,
         )
-    if kind == "checkpoint":
-        return CheckpointReport(
+    elif kind == "checkpoint":
+        report = CheckpointReport(
             reporter=reporter,
             sent_at=sent_at,
             step=_int(d["step"], "step"),
             location=_req_str(d["location"], "location", _MAX_TEXT),
             verified=bool(_bool(d["verified"], "verified")),
+            version=version,
         )
+    else:
+        report = _verdict(d, reporter, sent_at, unknown, version)
+    if unknown:
+        for path in unknown:
+            if path in must:
+                raise ProtocolError(
+                    path,
+                    f"is not understood by this side (protocol {PROTOCOL_VERSION}) and the "
+                    "report lists it in must_understand",
+                )
+        if ignored is not None:
+            ignored.extend(unknown)
+    return report
+
+
+def _verdict(
+    d: dict[str, Any],
+    reporter: ReporterIdentity,
+    sent_at: float,
+    unknown: list[str] | None,
+    version: int,
+) -> VerdictReport:
     step = _int(d["step"], "step", minimum=1)
     suspects = d["suspects"]
     if not isinstance(suspects, list):
@@ -405,13 +502,37 @@ def parse_report(data: bytes | str | Mapping[str, Any]) -> Report:
         last_clean_step=_clean_step(d["last_clean_step"], step - 1),
         localized=bool(_bool(d["localized"], "localized")),
         transient=_bool(d.get("transient"), "transient", nullable=True),
-        suspects=tuple(_suspect(s, f"suspects[{i}]") for i, s in enumerate(suspects)),
+        suspects=tuple(_suspect(s, f"suspects[{i}]", unknown) for i, s in enumerate(suspects)),
         message=_req_str(d["message"], "message", _MAX_TEXT),
         evidence=evidence,
         corroborated=_bool(d.get("corroborated"), "corroborated", nullable=True),
         run_id=_run_id(d.get("run_id")),
         bundle=_str(d.get("bundle"), "bundle", limit=_MAX_TEXT, nullable=True),
+        version=version,
     )
+
+
+def _must_understand(value: Any) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    return frozenset(_names(value, "must_understand", MAX_MUST_UNDERSTAND))
+
+
+def _unreported(value: Any) -> tuple[str, ...]:
+    return () if value is None else _names(value, "unreported", MAX_UNREPORTED)
+
+
+def _names(value: Any, path: str, most: int) -> tuple[str, ...]:
+    """An array of distinct field names (paths such as ``reporter.zone``)."""
+    if not isinstance(value, list):
+        raise ProtocolError(path, f"must be an array, got {_kind(value)}")
+    if len(value) > most:
+        raise ProtocolError(path, f"has more than {most} entries")
+    for i, name in enumerate(value):
+        _req_str(name, f"{path}[{i}]", 128)
+    if len(set(value)) != len(value):
+        raise ProtocolError(path, "names a field more than once")
+    return tuple(value)
 
 
 def _opt_num(value: Any, path: str) -> float | None:
@@ -501,17 +622,38 @@ _OMITTED_WHEN_NULL = (
     "gradient_tolerance",
     "bit_reproducible",
 )
+_OMITTED_WHEN_EMPTY = ("unreported",)
 
 
-def encode_report(report: Report) -> bytes:
-    """The report as compact JSON bytes; raises :class:`ProtocolError` for anything the
-    receiving side would refuse (too large, too long a message, too many suspects)."""
+def encode_report(
+    report: Report, *, version: int | None = None, left_out: list[str] | None = None
+) -> bytes:
+    """The report as compact JSON bytes in protocol ``version`` (one of
+    :data:`ACCEPTED_VERSIONS`; default: the report's own ``version``, which is
+    :data:`PROTOCOL_VERSION` unless it was read from an older report); raises
+    :class:`ProtocolError` for anything the receiving side would refuse (too large, too long
+    a message, too many suspects). Written as version 1, the fields version 1 does not have
+    are left out, and named in ``left_out``."""
+    if version is None:
+        version = report.version
+    if version not in ACCEPTED_VERSIONS:
+        raise ProtocolError("version", f"cannot write protocol version {version!r}")
     body = asdict(report)
+    body["version"] = version
     if isinstance(report, VerdictReport):
         body["suspects"] = [asdict(s) for s in report.suspects]
     for key in _OMITTED_WHEN_NULL:
         if key in body and body[key] is None:
             del body[key]
+    for key in _OMITTED_WHEN_EMPTY:
+        if key in body and not body[key]:
+            del body[key]
+    if version == 1:
+        required, optional = _V1_FIELDS[report.kind]
+        for key in sorted(set(body) - _ENVELOPE - required - optional):
+            del body[key]
+            if left_out is not None:
+                left_out.append(key)
     try:
         data = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
@@ -524,13 +666,21 @@ def encode_report(report: Report) -> bytes:
 
 
 def report_schema() -> dict[str, Any]:
-    """The protocol as a JSON Schema (draft 2020-12); the same rules as :func:`parse_report`
-    except the cross-field ones (``last_clean_step`` below ``step``, the size limit)."""
+    """The protocol as a JSON Schema (draft 2020-12): what a sender of this release writes,
+    in either version. The same rules as :func:`parse_report` except the cross-field ones
+    (``last_clean_step`` below ``step``, the size limit, which fields version 1 lacks) and
+    a version-2 receiver's leniency: it ignores unknown fields not in ``must_understand``."""
     count = {"type": "integer", "minimum": 0}
     name = {"type": "string", "minLength": 1, "maxLength": _MAX_NAME}
     nullable_name = {"type": ["string", "null"], "minLength": 1, "maxLength": _MAX_NAME}
     envelope = {
-        "version": {"const": PROTOCOL_VERSION},
+        "version": {"enum": list(ACCEPTED_VERSIONS)},
+        "must_understand": {
+            "type": "array",
+            "maxItems": MAX_MUST_UNDERSTAND,
+            "uniqueItems": True,
+            "items": {"type": "string", "minLength": 1, "maxLength": 128},
+        },
         "sent_at": {"type": "number", "minimum": 0},
         "reporter": {
             "type": "object",
@@ -552,7 +702,7 @@ def report_schema() -> dict[str, Any]:
     run_id = {"type": ["string", "null"], "pattern": _RUN_ID.pattern}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://hyperpod-sdc.dev/schemas/report-v1.json",
+        "$id": "https://hyperpod-sdc.dev/schemas/report-v2.json",
         "title": "hyperpod-sdc report",
         "oneOf": [
             kind(
@@ -616,6 +766,12 @@ def report_schema() -> dict[str, Any]:
                     "gradient_tolerance": {"type": ["number", "null"], "minimum": 0},
                     "bit_reproducible": {"type": ["boolean", "null"]},
                     "run_id": run_id,
+                    "unreported": {
+                        "type": "array",
+                        "maxItems": MAX_UNREPORTED,
+                        "uniqueItems": True,
+                        "items": {"type": "string", "minLength": 1, "maxLength": 128},
+                    },
                 },
             ),
             kind(

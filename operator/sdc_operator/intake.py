@@ -16,14 +16,18 @@ A report is checked in this order, cheapest first, and the first failure answers
 6. the pod's controlling owner -> an opted-in job (403), the pod fits that job and was
    attested by the admission webhook as a training operator's (403);
 7. the job's rate (429 with ``Retry-After``);
-8. the protocol (400 not JSON, 422 against the schema), the reporter against the pod (403),
-   age and clock (422);
+8. the protocol (400 not JSON, 422 against the schema, or a version it does not accept),
+   the reporter against the pod (403), age and clock (422);
 9. for a verdict, each suspect must be an attested pod of the same job, on the node it
    names (422).
 
 Pods, jobs, nodes, namespaces and policies come from watch-fed caches (:mod:`.caches`);
 a pod or job the watch has not delivered yet is read once (one read at a time per object).
 A heartbeat, and a verdict already recorded, cost no API call.
+
+Every answer on the tenants' listener names the protocol versions accepted
+(``Hyperpod-Sdc-Protocol: 1, 2``); an accepted report's answer lists the fields this
+operator ignored (``"ignored"``, protocol 2: fields of a newer agent).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sdc_common.errors import ProtocolError
 from sdc_common.protocol import (
+    ACCEPTED_VERSIONS,
+    PROTOCOL_HEADER,
     CheckpointReport,
     HeartbeatReport,
     ResumeReport,
@@ -180,6 +186,7 @@ class Intake:
             client_max_size=self.settings.max_body_bytes + 1, middlewares=[json_error_middleware()]
         )
         app.router.add_post(REPORTS_PATH, self.post_report)
+        app.on_response_prepare.append(_advertise_versions)
         return app
 
     def monitoring_app(self) -> web.Application:
@@ -300,8 +307,9 @@ class Intake:
                 "reports per second",
                 retry_after=retry_after,
             )
+        ignored: list[str] = []
         try:
-            report = parse_report(raw)
+            report = parse_report(raw, ignored=ignored)
         except ProtocolError as exc:
             if exc.field == "report":
                 raise Refusal(400, "malformed", str(exc)) from None
@@ -310,7 +318,28 @@ class Intake:
         node = (pod.get("spec") or {}).get("nodeName") or ""
         self._reporter_is_pod(report.reporter, pod_name, node)
         self._timely(report.sent_at)
-        return await self._dispatch(report, ref, pod, node)
+        self.metrics.report_versions.labels(str(report.version)).inc()
+        if isinstance(report, HeartbeatReport) and report.unreported:
+            _refusals_log.info(
+                f"unreported/{ref.uid}",
+                "the agents of %s/%s cannot report these fields to this operator: %s",
+                ref.namespace,
+                ref.name,
+                ", ".join(report.unreported),
+            )
+        status, body = await self._dispatch(report, ref, pod, node)
+        if ignored:
+            self.metrics.ignored_fields.labels(report.kind).inc()
+            body["ignored"] = ignored[:64]
+            _refusals_log.info(
+                f"ignored/{report.kind}",
+                "ignored fields of a %s report from %s/%s (a newer agent): %s",
+                report.kind,
+                ref.namespace,
+                ref.name,
+                ", ".join(ignored[:16]),
+            )
+        return status, body
 
     async def _dispatch(
         self, report: Any, ref: JobRef, pod: dict[str, Any], node: str
@@ -688,6 +717,13 @@ def _kind_of(raw: bytes) -> str | None:
 
 RAN_PHASES = frozenset({"Running", "Succeeded"})
 """Pod phases in which its containers ran on its node: only such a pod can be a suspect."""
+
+
+_ACCEPTED = ", ".join(map(str, ACCEPTED_VERSIONS))
+
+
+async def _advertise_versions(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[PROTOCOL_HEADER] = _ACCEPTED
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

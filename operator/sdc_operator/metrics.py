@@ -27,6 +27,20 @@ class Metrics:
             ["kind", "verdict"],
             registry=r,
         )
+        self.report_versions = Counter(
+            "hyperpod_sdc_report_versions",
+            "Reports accepted, by protocol version: when the previous version's count stays "
+            "at 0, no agent needs it any more.",
+            ["version"],
+            registry=r,
+        )
+        self.ignored_fields = Counter(
+            "hyperpod_sdc_ignored_fields",
+            "Reports accepted with fields this operator does not know (from a newer agent), "
+            "by kind; the fields are in the log.",
+            ["kind"],
+            registry=r,
+        )
         self.refusals = Counter(
             "hyperpod_sdc_refusals", "Reports refused, by reason.", ["reason"], registry=r
         )

@@ -9,6 +9,7 @@ import json
 import sys
 
 from sdc_common.protocol import (
+    ACCEPTED_VERSIONS,
     CHECKS,
     CLASSIFICATIONS,
     FINGERPRINT_KERNELS,
@@ -16,6 +17,8 @@ from sdc_common.protocol import (
     MAX_MESSAGE,
     MAX_REPORT_BYTES,
     MAX_SUSPECTS,
+    PREVIOUS_PROTOCOL_VERSION,
+    PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     CheckpointReport,
     HeartbeatReport,
@@ -30,6 +33,7 @@ from sdc_common.protocol import (
 )
 
 __all__ = [
+    "ACCEPTED_VERSIONS",
     "CHECKS",
     "CLASSIFICATIONS",
     "FINGERPRINT_KERNELS",
@@ -37,6 +41,8 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_REPORT_BYTES",
     "MAX_SUSPECTS",
+    "PREVIOUS_PROTOCOL_VERSION",
+    "PROTOCOL_HEADER",
     "PROTOCOL_VERSION",
     "CheckpointReport",
     "HeartbeatReport",

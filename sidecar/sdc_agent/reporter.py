@@ -18,6 +18,15 @@ arriving with them; and a heartbeat or checkpoint record the operator answers 42
 with ``Retry-After`` waits that long (its back-off, if longer) while verdicts still go at
 once. :meth:`Reporter.flush` sends what waits for jitter at once.
 
+Protocol versions (``docs/protocol.md``, "Versions"): reports are written in the newest
+version both sides speak. The operator names the versions it accepts in the
+``Hyperpod-Sdc-Protocol`` header of every answer; an operator from before that header
+refuses a newer version with a 422 naming ``version``, and the reporter then writes the
+version that operator speaks and sends the report again at once (not a refusal). What the
+older version cannot carry, and what the operator says it ignored, is logged at WARNING
+once per field, counted (:meth:`Reporter.counters`, ``unreported``) and named in every
+heartbeat's ``unreported`` that can carry it.
+
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
 rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
@@ -30,9 +39,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import http.client
+import json
 import logging
 import os
 import random
+import re
 import ssl
 import threading
 import time
@@ -45,7 +56,16 @@ from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV
 
 from ._validate import require_int, require_number
 from .errors import ConfigError
-from .protocol import CheckpointReport, HeartbeatReport, Report, VerdictReport, encode_report
+from .protocol import (
+    ACCEPTED_VERSIONS,
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
+    CheckpointReport,
+    HeartbeatReport,
+    Report,
+    VerdictReport,
+    encode_report,
+)
 
 __all__ = [
     "CA_BUNDLE_ENV",
@@ -59,6 +79,7 @@ log = logging.getLogger("sdc_agent.reporter")
 
 REPORTS_PATH = "/v1/reports"
 HEARTBEAT_JITTER_ENV = "HYPERPOD_SDC_HEARTBEAT_JITTER_SECONDS"
+_SPEAKS = re.compile(r"this side speaks (\d+)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,6 +188,11 @@ class Reporter:
         self.refused_verdicts = 0
         self.refusals: dict[int, int] = {}
         """Refused reports by the operator's HTTP status."""
+        self.protocol_version = PROTOCOL_VERSION
+        """The version reports are written in: the newest the operator accepts."""
+        self.unreported: dict[str, int] = {}
+        """Fields the operator does not receive (left out for its older version) or does
+        not read (it said it ignored them), and how many reports lacked each."""
         self._undeliverable_since: float | None = None
         """When the oldest verdict that will never be delivered (refused, or that could not
         be sent) was submitted."""
@@ -224,6 +250,8 @@ class Reporter:
                 "refused_verdicts": self.refused_verdicts,
                 "refusals": dict(self.refusals),
                 "undeliverable_verdict": self._undeliverable_since is not None,
+                "protocol_version": self.protocol_version,
+                "unreported": dict(self.unreported),
             }
 
     def pending(self) -> int:
@@ -393,8 +421,26 @@ class Reporter:
 
     def _send(self, report: Report) -> str:
         """``delivered``, ``refused`` (do not retry) or ``retry``."""
+        for _ in range(len(ACCEPTED_VERSIONS) + 1):
+            version = self.protocol_version
+            outcome = self._send_as(report, version)
+            if outcome != "again" or self.protocol_version == version:
+                return "retry" if outcome == "again" else outcome
+        return "retry"
+
+    def _send_as(self, report: Report, version: int) -> str:
+        """One attempt in protocol ``version``: ``again`` when the operator asked for
+        another version (:attr:`protocol_version` has changed then)."""
+        if isinstance(report, HeartbeatReport) and self.unreported:
+            names = sorted(self.unreported)[:64]
+            report = dataclasses.replace(report, unreported=tuple(names))
         self._retry_after = None
-        body = encode_report(report)
+        left_out: list[str] = []
+        body = encode_report(report, version=version, left_out=left_out)
+        # (the heartbeat's own list of such fields is no news to an operator that lacks it)
+        left_out = [name for name in left_out if name != "unreported"]
+        if left_out:
+            self._unreported(left_out, f"the operator speaks protocol {version}, which lacks them")
         request = urllib.request.Request(self.url, data=body, method="POST")
         request.add_header("Content-Type", "application/json")
         if token := self._bearer():
@@ -405,10 +451,16 @@ class Reporter:
                 timeout=self.config.timeout_seconds,
                 context=self._current_tls() if self.url.startswith("https") else None,
             ) as response:
-                response.read()
+                self._learn_versions(response.headers.get(PROTOCOL_HEADER), None)
+                answer = response.read(65536)
+            self._note_ignored(answer)
             return "delivered"
         except urllib.error.HTTPError as exc:
             detail = exc.read(2048).decode("utf-8", "replace")
+            if exc.code == 422 and self._learn_versions(
+                exc.headers.get(PROTOCOL_HEADER) if exc.headers else None, detail
+            ):
+                return "again"
             self._retry_after = _retry_after(
                 exc.headers.get("Retry-After") if exc.headers else None
             )
@@ -420,6 +472,67 @@ class Reporter:
             # URLError, refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
             return "retry"
+
+    def _learn_versions(self, header: str | None, refusal: str | None) -> bool:
+        """Take the operator's accepted versions from its header, or, from an operator
+        before the header, from its refusal of ``version``. True: the version changed."""
+        offered: set[int] = set()
+        if header:
+            for part in header.split(","):
+                if part.strip().isdigit():
+                    offered.add(int(part.strip()))
+        elif refusal is not None:
+            try:
+                message = str(json.loads(refusal).get("message", ""))
+            except (ValueError, AttributeError):
+                message = refusal
+            if message.startswith("version:") and (speaks := _SPEAKS.search(message)):
+                offered.add(int(speaks.group(1)))
+        common = offered & set(ACCEPTED_VERSIONS)
+        if not offered or (common and max(common) == self.protocol_version):
+            return False
+        if not common:
+            log.error(
+                "sdc_agent: the operator at %s accepts protocol version(s) %s; this agent "
+                "speaks %s: upgrade the agent (sdc_agent) in the training image",
+                self.url,
+                ", ".join(map(str, sorted(offered))),
+                ", ".join(map(str, ACCEPTED_VERSIONS)),
+            )
+            return False
+        before, self.protocol_version = self.protocol_version, max(common)
+        log.warning(
+            "sdc_agent: the operator at %s accepts protocol version(s) %s; writing version %d "
+            "from now on (was %d)",
+            self.url,
+            ", ".join(map(str, sorted(offered))),
+            self.protocol_version,
+            before,
+        )
+        return True
+
+    def _note_ignored(self, answer: bytes) -> None:
+        try:
+            ignored = json.loads(answer).get("ignored") or []
+        except (ValueError, AttributeError):
+            return
+        if isinstance(ignored, list) and ignored:
+            names = [str(name) for name in ignored[:64]]
+            self._unreported(names, "the operator ignores them: it is older than this agent")
+
+    def _unreported(self, names: list[str], why: str) -> None:
+        with self._cond:
+            new = [name for name in names if name not in self.unreported]
+            for name in names:
+                self.unreported[name] = self.unreported.get(name, 0) + 1
+        if new:
+            log.warning(
+                "sdc_agent: the operator at %s does not receive these fields: %s (%s); "
+                "upgrade the operator to get them",
+                self.url,
+                ", ".join(new),
+                why,
+            )
 
 
 def _retry_after(value: str | None) -> float | None:

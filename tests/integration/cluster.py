@@ -348,8 +348,10 @@ class OperatorProcess:
         scheme: str = "http",
         kubeconfig: str | None = None,
         extra_env: dict[str, str] | None = None,
+        module: str = "sdc_operator",
         **settings: str,
     ) -> None:
+        """``module``: what ``python -m`` runs (a stand-in for another release's operator)."""
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         """The tenants' intake (``/v1/reports`` only)."""
@@ -382,7 +384,7 @@ class OperatorProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sdc_operator"],
+            [sys.executable, "-m", module],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

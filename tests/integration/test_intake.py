@@ -49,7 +49,7 @@ def test_refusals_change_nothing(
     as_dict = json.loads(good)
     before = snapshot(cluster, job)
 
-    wrong_version = dict(as_dict, version=2)
+    wrong_version = dict(as_dict, version=3)
     bad_step = dict(as_dict, step="fifteen")
     lying_node = json.loads(encode_report(verdict(job, 0)))
     lying_node["reporter"]["node"] = job.node_name(1)

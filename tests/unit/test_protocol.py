@@ -121,7 +121,7 @@ def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 DELETE = object()
 BAD: list[tuple[dict[str, Any], str, Any, str]] = [
-    (VERDICT, "version", 2, "version"),
+    (VERDICT, "version", 3, "version"),
     (VERDICT, "version", DELETE, "version"),
     (VERDICT, "kind", "gossip", "kind"),
     (VERDICT, "sent_at", -1, "sent_at"),
@@ -187,8 +187,8 @@ def test_malformed_documents(raw: bytes, message: str) -> None:
 
 
 def test_unknown_version_is_rejected_even_if_otherwise_fine() -> None:
-    with pytest.raises(ProtocolError, match="unsupported protocol version 2"):
-        parse_report({**CHECKPOINT, "version": 2})
+    with pytest.raises(ProtocolError, match="unsupported protocol version 3"):
+        parse_report({**CHECKPOINT, "version": 3})
 
 
 def test_the_schema_agrees_with_the_parser() -> None:
