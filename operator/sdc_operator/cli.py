@@ -3,6 +3,7 @@
     kubectl sdc describe INCIDENT [-n NAMESPACE] [-o text|json]
     kubectl sdc approve  INCIDENT [-n NAMESPACE] [--action replace|reboot] [--overwrite]
     kubectl sdc release  INCIDENT [-n NAMESPACE] [--overwrite]
+    kubectl sdc uninstall [--release-nodes] [--dry-run] [--stop NAMESPACE/DEPLOYMENT] [-o text|json]
 
 An executable named ``kubectl-sdc`` on ``PATH`` is a kubectl plugin: ``kubectl sdc ...``
 runs it with the same arguments. It reads the kubeconfig as kubectl does (``--kubeconfig``,
@@ -18,6 +19,11 @@ through HyperPod, or ``release`` it. They refuse, saying why and changing nothin
 the decision makes no sense in the incident's phase (nothing quarantined yet or at all,
 dry-run, already released or replaced, another decision pending). The write carries the
 incident's ``resourceVersion``: a concurrent change is re-read and decided again.
+``uninstall`` is the clean-up before ``helm uninstall`` (the chart's pre-delete hook runs
+it; :mod:`.uninstall` says what it does and leaves): it stops the operator (``--stop``),
+lists every node quarantined and every job suspended, releases the nodes only with
+``--release-nodes``, resumes nothing, deletes the operator's ConfigMaps and confirmation
+pods in tenant namespaces, and keeps the incidents and CRDs.
 Exit codes: 0 done, 1 refused or failed, 2 bad usage.
 """
 
@@ -31,7 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import uninstall
+from .jobs import JOB_KINDS
 from .names import ACTION_ANNOTATION, GROUP, INCIDENT_PLURAL, VERSION
+from .nodes import release_patch
 
 __all__ = [
     "DECISIONS",
@@ -438,6 +447,139 @@ class _Cluster:
         }
         self.core.create_namespaced_event(meta["namespace"], body)
 
+    # -- uninstall ----------------------------------------------------------------------
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(self._raw(self.core.list_node).get("items") or [])
+
+    def node(self, name: str) -> dict[str, Any]:
+        return self._raw(self.core.read_node, name)
+
+    def patch_node(self, name: str, patch: dict[str, Any]) -> None:
+        self.core.patch_node(
+            name, patch, field_manager=FIELD_MANAGER, _content_type="application/merge-patch+json"
+        )
+
+    def all_incidents(self) -> list[dict[str, Any]]:
+        found = self._raw(self.custom.list_cluster_custom_object, GROUP, VERSION, INCIDENT_PLURAL)
+        return list(found.get("items") or [])
+
+    def job(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        plural = JOB_KINDS.get((api_version, kind))
+        if plural is None:
+            return None
+        group, _, version = api_version.partition("/")
+        try:
+            return self._raw(
+                self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
+            )
+        except Exception as exc:
+            if _status_code(exc) == 404:
+                return None
+            raise
+
+    def labelled(self, kind: str, selector: str) -> list[tuple[str, str]]:
+        fn = (
+            self.core.list_config_map_for_all_namespaces
+            if kind == "configmap"
+            else self.core.list_pod_for_all_namespaces
+        )
+        items = self._raw(fn, label_selector=selector).get("items") or []
+        return [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in items]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        fn = (
+            self.core.delete_namespaced_config_map
+            if kind == "configmap"
+            else self.core.delete_namespaced_pod
+        )
+        try:
+            fn(name, namespace)
+        except Exception as exc:
+            if _status_code(exc) != 404:
+                raise
+
+    def stop_deployment(self, namespace: str, name: str, timeout: float) -> bool:
+        """Scale the operator's Deployment to zero and wait until none of its pods is left:
+        nothing may quarantine a node after the clean-up has listed them."""
+        import time
+
+        from kubernetes import client
+
+        apps = client.AppsV1Api(self.api)
+        try:
+            deployment = self._raw(apps.read_namespaced_deployment, name, namespace)
+        except Exception as exc:
+            if _status_code(exc) == 404:
+                return True
+            raise
+        apps.patch_namespaced_deployment_scale(
+            name,
+            namespace,
+            {"spec": {"replicas": 0}},
+            _content_type="application/merge-patch+json",
+        )
+        labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pods = self._raw(self.core.list_namespaced_pod, namespace, label_selector=selector)
+            if not pods.get("items"):
+                return True
+            time.sleep(1.0)
+        return False
+
+
+def _uninstall(
+    cluster: _Cluster, *, release_nodes: bool, dry_run: bool, output: str, stop: str | None
+) -> int:
+    if stop and not dry_run:
+        namespace, _, name = stop.partition("/")
+        if not cluster.stop_deployment(namespace, name, timeout=120):
+            print(f"kubectl sdc: the operator {stop} did not stop within 120 s", file=sys.stderr)
+            return 1
+    incidents = cluster.all_incidents()
+    jobs: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for incident in incidents:
+        ref = (incident.get("spec") or {}).get("job") or {}
+        namespace = str(incident["metadata"]["namespace"])
+        key = (namespace, str(ref.get("kind")), str(ref.get("name")))
+        if key not in jobs:
+            found = cluster.job(namespace, str(ref.get("apiVersion")), key[1], key[2])
+            if found is not None:
+                jobs[key] = found
+    configmaps = cluster.labelled("configmap", uninstall.MANAGED_SELECTOR)
+    pods = cluster.labelled("pod", uninstall.CONFIRMATION_SELECTOR)
+    plan = uninstall.plan(cluster.nodes(), incidents, jobs, configmaps, pods)
+    if not dry_run:
+        if release_nodes:
+            for left in plan.nodes:
+                _release_node(cluster, left.name)
+        for namespace, name in plan.configmaps:
+            cluster.delete("configmap", namespace, name)
+        for namespace, name in plan.pods:
+            cluster.delete("pod", namespace, name)
+    if output == "json":
+        print(json.dumps(plan.as_json(release_nodes and not dry_run), indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(uninstall.render_plan(plan, released=release_nodes, dry_run=dry_run))
+    return 0
+
+
+def _release_node(cluster: _Cluster, name: str) -> None:
+    """The operator's release patch, under the read's resourceVersion (re-read on 409)."""
+    for _ in range(_RETRIES):
+        patch = release_patch(cluster.node(name))
+        if patch is None:
+            return
+        try:
+            cluster.patch_node(name, patch)
+            return
+        except Exception as exc:
+            if _status_code(exc) != 409:
+                raise
+    raise RuntimeError(f"node {name} keeps changing; release it again")
+
 
 def _status_code(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
@@ -561,6 +703,25 @@ def _parser() -> argparse.ArgumentParser:
     release = sub.add_parser("release", parents=[common], help="give the quarantined node back")
     release.add_argument("incident")
     release.add_argument("--overwrite", action="store_true", help="replace a pending decision")
+    remove = sub.add_parser(
+        "uninstall",
+        parents=[common],
+        help="clean up before helm uninstall: list what stays, resume nothing, keep incidents",
+    )
+    remove.add_argument(
+        "--release-nodes",
+        action="store_true",
+        help="release the nodes quarantined by us (default: leave them, listed, with commands)",
+    )
+    remove.add_argument(
+        "--dry-run", action="store_true", help="say what it would do; change nothing"
+    )
+    remove.add_argument(
+        "--stop",
+        metavar="NAMESPACE/DEPLOYMENT",
+        help="scale the operator's Deployment to zero first and wait for its pods to go",
+    )
+    remove.add_argument("-o", "--output", choices=("text", "json"), default="text")
     return parser
 
 
@@ -571,6 +732,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         print(f"kubectl sdc: cannot load a kubeconfig: {exc}", file=sys.stderr)
         return 1
+    if args.command == "uninstall":
+        try:
+            return _uninstall(
+                cluster,
+                release_nodes=args.release_nodes,
+                dry_run=args.dry_run,
+                output=args.output,
+                stop=args.stop,
+            )
+        except Exception as exc:
+            print(f"kubectl sdc: uninstall: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            cluster.api.close()
     namespace, name = _split_name(args.incident, args.namespace)
     namespace = namespace or cluster.namespace
     try:

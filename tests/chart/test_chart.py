@@ -48,15 +48,16 @@ CERT_MANAGER: dict[str, Any] = {"certManager": {"enabled": True}}
 
 
 def render(
-    values: dict[str, Any] | None = None, namespace: str = "hyperpod-sdc"
+    values: dict[str, Any] | None = None, namespace: str = "hyperpod-sdc", *, hooks: bool = False
 ) -> list[dict[str, Any]]:
-    """Every object the chart renders (templates only; Helm installs crds/ itself)."""
+    """Every object the chart renders (templates only; Helm installs crds/ itself); the
+    uninstall hook's objects, which exist only while it runs, with ``hooks``."""
     chart = helm.Chart.load(str(CHART))
     out = chart.render(values or {}, name="hyperpod-sdc", namespace=namespace, is_install=True)
     docs = []
     for path, text in sorted(out.items()):
         if path.endswith(".yaml"):
-            docs += [d for d in yaml.safe_load_all(text) if d]
+            docs += [d for d in yaml.safe_load_all(text) if d and (hooks or hook(d) is None)]
     return docs
 
 
@@ -107,6 +108,10 @@ def test_lint_is_clean() -> None:
         report = helm.lint(str(CHART), values, strict=True)
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert not report["errors"] and not problems, report
+
+
+def hook(doc: dict[str, Any]) -> str | None:
+    return ((doc.get("metadata") or {}).get("annotations") or {}).get("helm.sh/hook")
 
 
 def test_default_render_is_least_privilege_and_hardened() -> None:
@@ -648,3 +653,57 @@ def test_offline_renders_keep_the_ca_only_with_cert_manager_or_an_existing_secre
     import base64
 
     assert base64.b64decode(hook["webhooks"][0]["clientConfig"]["caBundle"]).decode() == TEST_CA
+
+
+def test_the_uninstall_hook() -> None:
+    """A pre-delete Job with its own narrow roles (docs/operator.md, "Uninstall"): it stops
+    the operator, releases nodes only when asked, and can delete nothing but ConfigMaps and
+    pods; with uninstall.cleanup off there is no hook at all."""
+    docs = [d for d in render(hooks=True) if hook(d) is not None]
+    assert {hook(d) for d in docs} == {"pre-delete"}
+    assert sorted(d["kind"] for d in docs) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "Role",
+        "RoleBinding",
+        "ServiceAccount",
+    ]
+    for doc in docs:
+        policy = doc["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+        assert policy == "before-hook-creation,hook-succeeded"
+        weight = int(doc["metadata"]["annotations"]["helm.sh/hook-weight"])
+        assert weight == (0 if doc["kind"] == "Job" else -10)  # its roles exist before it runs
+    (job,) = by_kind(docs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "kubectl-sdc",
+        "uninstall",
+        "--stop",
+        "hyperpod-sdc/hyperpod-sdc",
+    ]
+    assert pod["serviceAccountName"] == "hyperpod-sdc-uninstall" and pod["restartPolicy"] == "Never"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (role,) = by_kind(docs, "ClusterRole")
+    verbs = {r["resources"][0]: r["verbs"] for r in role["rules"]}
+    assert verbs["nodes"] == ["get", "list"]  # no patch: nodes stay quarantined by default
+    for rule in role["rules"]:
+        assert "secrets" not in rule["resources"] and "*" not in rule["verbs"]
+        if "delete" in rule["verbs"]:
+            assert rule["resources"] == ["configmaps", "pods"]
+    (own,) = by_kind(docs, "Role")
+    assert {r["resources"][0]: r["resourceNames"] for r in own["rules"]} == {
+        "deployments": ["hyperpod-sdc"],
+        "deployments/scale": ["hyperpod-sdc"],
+    }
+    released = [d for d in render({"uninstall": {"releaseNodes": True}}, hooks=True) if hook(d)]
+    (job,) = by_kind(released, "Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "--release-nodes"
+    (role,) = by_kind(released, "ClusterRole")
+    assert role["rules"][0] == {
+        "apiGroups": [""],
+        "resources": ["nodes"],
+        "verbs": ["get", "list", "patch"],
+    }
+    assert not [d for d in render({"uninstall": {"cleanup": False}}, hooks=True) if hook(d)]

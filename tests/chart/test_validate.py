@@ -99,7 +99,7 @@ def test_crds_validate_strictly(version: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_rendered_chart_validates_strictly(variant: str, version: str) -> None:
-    docs = render(VARIANTS[variant])
+    docs = render(VARIANTS[variant], hooks=True)
     assert docs
     for doc in docs:
         try:

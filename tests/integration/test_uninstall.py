@@ -1,0 +1,137 @@
+"""Uninstall against the real API server (docs/operator.md, "Uninstall"): with a quarantined
+node and a suspended job, ``kubectl sdc uninstall`` (the chart's pre-delete hook) leaves
+exactly what the docs say: the node quarantined and listed with the commands that release
+it (which do), the job suspended and listed, every incident kept, and none of the
+operator's ConfigMaps or confirmation pods."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from sdc_operator.names import SUSPECT_KEY
+from sdc_operator.nodes import release_patch
+from sdc_operator.uninstall import CONFIRMATION_SELECTOR, MANAGED_SELECTOR
+
+from .cluster import KUBECTL, Cluster, OperatorProcess
+from .test_cli import sdc
+from .test_containment import Job, incident_in, make_job
+from .test_remediation import contain
+
+
+def quarantined(cluster: Cluster, name: str) -> bool:
+    return release_patch(cluster.get_node(name)) is not None
+
+
+def ours(cluster: Cluster, namespace: str) -> dict[str, list[str]]:
+    """What of the operator's is left in ``namespace``."""
+    found = {}
+    for kind, selector in (("configmaps", MANAGED_SELECTOR), ("pods", CONFIRMATION_SELECTOR)):
+        out = cluster.kubectl("get", kind, "-n", namespace, "-l", selector, "-o", "json")
+        # a deleted pod bound to a node stays, terminating, until its kubelet (none here)
+        # confirms: deleted is deletionTimestamp set
+        found[kind] = [
+            f"{kind[:-1]}/{i['metadata']['name']}"
+            for i in json.loads(out)["items"]
+            if not i["metadata"].get("deletionTimestamp")
+        ]
+    return found
+
+
+def contained_job(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> tuple[Job, dict[str, Any]]:
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    contain(cluster, op, job)
+    incident = incident_in(cluster, namespace, "Contained")
+    op.stop()  # what the hook's --stop does to the Deployment (no controller here)
+    assert quarantined(cluster, job.node_name(1))
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
+    # the operator's objects in the tenant namespace: its CA ConfigMap, a confirmation pod
+    cluster.kubectl(
+        "create", "configmap", "hyperpod-sdc-ca", "-n", namespace, "--from-literal=ca.crt=x"
+    )
+    cluster.kubectl("label", "configmap", "hyperpod-sdc-ca", "-n", namespace, MANAGED_SELECTOR)
+    cluster.pod(namespace, "sdc-confirm-x", job.node_name(1), None)
+    cluster.kubectl("label", "pod", "sdc-confirm-x", "-n", namespace, CONFIRMATION_SELECTOR)
+    return job, incident
+
+
+@pytest.mark.fast
+def test_uninstall_leaves_the_quarantine_listed_resumes_nothing_and_keeps_incidents(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job, incident = contained_job(cluster, namespace, start_operator)
+    suspect, name = job.node_name(1), incident["metadata"]["name"]
+
+    dry = sdc(cluster, "uninstall", "--dry-run", "-o", "json")
+    assert dry.returncode == 0, dry.stderr
+    assert ours(cluster, namespace) == {
+        "configmaps": ["configmap/hyperpod-sdc-ca"],
+        "pods": ["pod/sdc-confirm-x"],
+    }
+
+    done = sdc(cluster, "uninstall", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan == json.loads(dry.stdout)  # the dry run said exactly this
+    (node,) = [n for n in plan["nodes"] if n["name"] in {job.node_name(i) for i in range(3)}]
+    assert (node["name"], node["incident"], node["released"]) == (
+        suspect,
+        f"{namespace}/{name}",
+        False,
+    )
+    assert "suspected of silent data corruption" in node["why"]
+    (left_job,) = [j for j in plan["jobs"] if j["namespace"] == namespace]
+    assert (left_job["name"], left_job["incident"]) == (job.name, f"{namespace}/{name}")
+    assert "at or before step 10" in left_job["why"]
+    assert f"{namespace}/hyperpod-sdc-ca" in plan["deleted"]["configmaps"]
+
+    # what is left is what the docs say, and nothing else
+    assert quarantined(cluster, suspect)
+    assert not any(quarantined(cluster, job.node_name(i)) for i in (0, 2))
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
+    assert [i["metadata"]["name"] for i in cluster.incidents(namespace)] == [name]
+    assert ours(cluster, namespace) == {"configmaps": [], "pods": []}
+
+    # the listed commands release the node, as the operator's release would
+    for command in node["release"]:
+        argv = shlex.split(command)
+        assert argv[0] == "kubectl"
+        subprocess.run(
+            [KUBECTL, "--kubeconfig", cluster.kubeconfig, *argv[1:]], check=True, timeout=30
+        )
+    after = cluster.get_node(suspect)
+    assert release_patch(after) is None and not after["spec"].get("unschedulable")
+    # ... and the job's, resumes it
+    (command,) = left_job["resume"]
+    subprocess.run(
+        [KUBECTL, "--kubeconfig", cluster.kubeconfig, *shlex.split(command)[1:]],
+        check=True,
+        timeout=30,
+    )
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is False
+
+
+@pytest.mark.fast
+def test_uninstall_release_nodes_releases_ours_only_and_still_resumes_nothing(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    job, _ = contained_job(cluster, namespace, start_operator)
+    suspect = job.node_name(1)
+    cluster.kubectl("taint", "node", suspect, "example.com/other=x:NoSchedule")
+    done = sdc(cluster, "uninstall", "--release-nodes")
+    assert done.returncode == 0, done.stderr
+    assert "nodes released:" in done.stdout and suspect in done.stdout
+    after = cluster.get_node(suspect)
+    assert release_patch(after) is None and not after["spec"].get("unschedulable")
+    keys = [t["key"] for t in after["spec"]["taints"]]
+    assert "example.com/other" in keys and SUSPECT_KEY not in keys  # only ours went
+    assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is True
+    assert len(cluster.incidents(namespace)) == 1
