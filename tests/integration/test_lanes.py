@@ -30,6 +30,7 @@ def refusals(op: OperatorProcess, reason: str) -> float:
 # timing: containment with and without the burst asserted within 1.5 s (the clean run on this
 # machine: about 0.1 s), the burst's heartbeats all delivered within the senders' 120 s
 @pytest.mark.timing
+@pytest.mark.slow  # about 25 s: 96 nodes and 192 tokens made, two storms
 def test_a_heartbeat_burst_does_not_delay_containment(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

@@ -228,6 +228,7 @@ async def open_tls(port: int, trust: ssl.SSLContext, sources: list[str]) -> tupl
     return answered, len(reset)
 
 
+@pytest.mark.slow  # 20 to 25 s on 2 cores: 1,096 TLS handshakes, client and server here
 def test_memory_stays_within_the_bound_with_1024_tls_connections_at_once(
     cluster: Cluster,
     namespace: str,
