@@ -12,8 +12,6 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-
 from sdc_operator.names import SUSPECT_KEY
 from sdc_operator.nodes import release_patch
 from sdc_operator.uninstall import CONFIRMATION_SELECTOR, MANAGED_SELECTOR
@@ -63,7 +61,6 @@ def contained_job(
     return job, incident
 
 
-@pytest.mark.fast
 def test_uninstall_leaves_the_quarantine_listed_resumes_nothing_and_keeps_incidents(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
@@ -119,7 +116,6 @@ def test_uninstall_leaves_the_quarantine_listed_resumes_nothing_and_keeps_incide
     assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is False
 
 
-@pytest.mark.fast
 def test_uninstall_release_nodes_releases_ours_only_and_still_resumes_nothing(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_common.protocol import PROTOCOL_HEADER, HeartbeatReport, Report, encode_report
 from tests import previous_protocol as previous
@@ -42,7 +40,6 @@ def beat(job: Any, reporter: int) -> HeartbeatReport:
     return HeartbeatReport(reporter=v.reporter, sent_at=time.time(), step=20, last_clean_step=10)
 
 
-@pytest.mark.fast
 def test_a_previous_agent_is_heard_by_this_operator(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
@@ -61,7 +58,6 @@ def test_a_previous_agent_is_heard_by_this_operator(
     assert 'hyperpod_sdc_report_versions_total{version="1"} 4.0' in op.metrics()
 
 
-@pytest.mark.fast
 def test_this_agent_is_heard_by_the_previous_operator(
     cluster: Cluster,
     namespace: str,
