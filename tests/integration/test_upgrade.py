@@ -62,7 +62,11 @@ def test_a_previous_agent_is_heard_by_this_operator(
     incident = incident_in(cluster, namespace, "Contained")
     assert incident["status"]["node"] == job.node_name(1)
     for reporter in (0, 2):
-        wait_for("a heartbeat accepted", lambda r=reporter: accepted(beat(job, r), r), timeout=20)
+
+        def beat_accepted(r: int = reporter) -> bool:
+            return accepted(beat(job, r), r)
+
+        wait_for("a heartbeat accepted", beat_accepted, timeout=20)
     assert 'hyperpod_sdc_report_versions_total{version="1"} 4.0' in op.metrics()
 
 
