@@ -377,6 +377,9 @@ class OperatorProcess:
             # The tests share one API server and leave quarantined nodes behind: only the
             # tests of the cap itself set one.
             "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",
+            # Every test's agents post from 127.0.0.1, where in a cluster each pod has an
+            # address of its own: only the tests of the per-source bound set one.
+            "HYPERPOD_SDC_CONNECTIONS_PER_SOURCE": "100000",
             "AWS_DEFAULT_REGION": "us-west-2",
             **{f"HYPERPOD_SDC_{k.upper()}": v for k, v in settings.items()},
             **(extra_env or {}),
