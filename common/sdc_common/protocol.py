@@ -335,25 +335,11 @@ _V1_FIELDS = {
     "checkpoint": ({"step", "location", "verified"}, set()),
     "resume": ({"step"}, {"location"}),
 }
+# Optional fields added since version 1, per kind.
+_ADDED_SINCE_V1 = {"heartbeat": {"unreported"}}
 _FIELDS = {
-    "verdict": (
-        {"check", "classification", "step", "last_clean_step", "localized", "suspects", "message"},
-        {"transient", "evidence", "corroborated", "run_id", "bundle"},
-    ),
-    "heartbeat": (
-        {"step", "last_clean_step"},
-        {
-            "check_seconds",
-            "interval_seconds",
-            "fingerprint_kernel",
-            "gradient_tolerance",
-            "bit_reproducible",
-            "run_id",
-            "unreported",
-        },
-    ),
-    "checkpoint": ({"step", "location", "verified"}, set()),
-    "resume": ({"step"}, {"location"}),
+    kind: (required, optional | _ADDED_SINCE_V1.get(kind, set()))
+    for kind, (required, optional) in _V1_FIELDS.items()
 }
 
 
