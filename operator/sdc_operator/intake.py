@@ -763,6 +763,11 @@ def json_error_middleware() -> Callable[..., Awaitable[web.StreamResponse]]:
                 reason, "refused %s %s: %s", request.method, request.path, exc.reason
             )
             return _json(exc.status, reason, f"{request.method} {request.path}: {exc.reason}")
+        except ConnectionResetError:
+            # The client went away while its request was read: nothing to answer, nothing
+            # wrong here (a slow flood ending does this).
+            log.info("intake: %s %s: the client reset the connection", request.method, request.path)
+            return _json(400, "reset", "the connection was reset while the request was read")
         except ApiError as exc:
             log.warning("intake: the API server failed on %s: %s", request.path, exc)
             return _json(
