@@ -284,7 +284,17 @@ class Actions:
         job, why = await self._job(incident)
         if job is None:
             return Outcome("Skipped", why, ("Resumed", "False", "JobGone", why))
-        last_clean = int(incident["spec"]["lastCleanStep"])
+        # The least last clean step of the job's open incidents: a checkpoint inside
+        # another incident's window (the job caught twice before it stopped) is no start.
+        last_clean, lowered_by = incidents.resume_max_step(
+            incident, self.caches.incidents_of(str(incident["spec"]["job"]["uid"]))
+        )
+        also = (
+            f" (the last clean step of incident(s) {', '.join(lowered_by)} of this job, "
+            f"before this incident's {incident['spec']['lastCleanStep']})"
+            if lowered_by
+            else ""
+        )
         refusal = jobs.auto_resume_refusal(job)
         if not self.settings.auto_resume:
             refusal = ("AutoResumeOff", "automatic resume is off (HYPERPOD_SDC_AUTO_RESUME)")
@@ -304,8 +314,8 @@ class Actions:
             # clean checkpoint, or it fails loudly where none is old enough.
             reason, why = refusal
             message = (
-                f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean} set "
-                "so that a restart by hand starts from a clean checkpoint"
+                f"{why}; the job stays suspended, with {RESUME_MAX_STEP_ENV}={last_clean}{also} "
+                "set so that a restart by hand starts from a clean checkpoint"
             )
             await self.effects.emit(job, "SDCJobNotResumed", message, True)
             return Outcome("Skipped", message, ("Resumed", "False", reason, message))
@@ -319,7 +329,7 @@ class Actions:
         elif (unsuspend := jobs.unsuspend_patch(job)) is not None:
             await self._patch_job(job, unsuspend)
         message = (
-            f"set {RESUME_MAX_STEP_ENV}={last_clean} on every container and {how}; "
+            f"set {RESUME_MAX_STEP_ENV}={last_clean}{also} on every container and {how}; "
             f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
         )
         await self.effects.emit(job, "SDCJobResumed", message, False)

@@ -53,6 +53,7 @@ __all__ = [
     "incident_name",
     "is_closed",
     "job_holders",
+    "resume_max_step",
     "last_activity",
     "new_incident",
     "needs_bundle_note",
@@ -901,6 +902,61 @@ def job_holders(
             continue
         holders.append((other_name, False))
     return sorted(holders)
+
+
+def resume_max_step(
+    incident: dict[str, Any], others: Iterable[dict[str, Any]]
+) -> tuple[int, list[str]]:
+    """The step the job may resume from at most when ``incident`` resumes it: the least
+    last clean step over every incident of the job whose suspect window is still open, and
+    the names of the others that lowered it.
+
+    A resume from ``incident``'s own last clean step would take a checkpoint inside the
+    window of another incident caught in the same run (the job caught twice before it
+    stopped), and carry that corruption on. Another incident's window is open where it
+    stopped the job (a ``suspend-job`` that succeeded), is neither released after review
+    nor a dry run, was not ended by a person restarting the job after its stop, and did
+    not resume the job itself before ``incident`` stopped it (that run, and its window,
+    are behind: the job ran again from a step at or before it)."""
+    spec = incident.get("spec") or {}
+    uid = (spec.get("job") or {}).get("uid")
+    name = (incident.get("metadata") or {}).get("name")
+    namespace = (incident.get("metadata") or {}).get("namespace")
+    own = int(spec.get("lastCleanStep", 0))
+    windows: list[tuple[int, str]] = []
+    mine = [at for at, _ in _stops(incident)]
+    since = min(mine) if mine else None
+    family = [
+        o
+        for o in others
+        if ((o.get("spec") or {}).get("job") or {}).get("uid") == uid
+        and (o.get("metadata") or {}).get("namespace") == namespace
+        and (o.get("metadata") or {}).get("name") != name
+    ]
+    restarts = [at for o in [incident, *family] for at, real in _stops(o) if real]
+    for other in family:
+        status = other.get("status") or {}
+        stops = [at for at, _ in _stops(other)]
+        if not stops or status.get("phase") in ("Released", "DryRun"):
+            continue
+        if any(at > max(stops) for at in restarts):
+            continue  # the job ran again after this stop: ended by hand
+        resumed = []
+        for entry in status.get("actions") or []:
+            if entry.get("action") == "resume-job" and entry.get("result") == "Succeeded":
+                try:
+                    resumed.append(parse_time(str(entry.get("at"))))
+                except ValueError:
+                    continue
+        if resumed and (since is None or min(resumed) <= since):
+            continue  # it resumed the job before this incident stopped it: its run is past
+        try:
+            step = int(str((other.get("spec") or {}).get("lastCleanStep")))
+        except (TypeError, ValueError):
+            continue
+        windows.append((step, str((other.get("metadata") or {}).get("name"))))
+    least = min([own, *(step for step, _ in windows)])
+    return least, sorted(n for step, n in windows if step == least and least < own)
 
 
 def last_activity(incident: dict[str, Any]) -> datetime | None:

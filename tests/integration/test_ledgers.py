@@ -234,6 +234,46 @@ def test_the_clean_run_a_resume_with_no_other_holder_lifts_the_stop(
     assert not cluster.get_job(namespace, job.name)["spec"]["runPolicy"].get("suspend")
 
 
+def test_a_resume_starts_before_every_open_window_of_the_job(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """The job was caught twice before it stopped: I1 (window from step 20) and I2
+    (window from step 10) both quarantined their node. Whichever resumes the job sets
+    ``HYPERPOD_SDC_RESUME_MAX_STEP=10``: a resume from step 20 would take a checkpoint
+    inside I2's window. I1's own message says 10 (without the rule it says 20)."""
+    job = make_job(cluster, namespace)
+    suspended_with_checkpoint(cluster, job, 5)
+    target = f"PyTorchJob {namespace}/{job.name}"
+
+    def quarantined(step: int, at: float) -> str:
+        return stage(
+            cluster,
+            job,
+            step=step,
+            actions=[
+                entry("suspend-job", target, "Succeeded", "set runPolicy.suspend=true", ago(at)),
+                entry("quarantine-node", job.node_name(1), "Succeeded", "cordoned", ago(at - 5)),
+            ],
+            phase="Contained",
+            contained="NodeQuarantined",
+        )
+
+    second = quarantined(15, 80)
+    first = quarantined(25, 90)
+    quarantine(cluster, job, first)
+    start_operator()
+    for name in (first, second):
+        resume = decided(cluster, namespace, name)
+        assert resume["result"] == "Succeeded", resume
+        assert "HYPERPOD_SDC_RESUME_MAX_STEP=10" in resume["message"], resume
+    found = cluster.get_job(namespace, job.name)
+    for replica in found["spec"]["pytorchReplicaSpecs"].values():
+        for container in replica["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env") or []}
+            assert env["HYPERPOD_SDC_RESUME_MAX_STEP"] == "10", container
+    assert not found["spec"]["runPolicy"].get("suspend")
+
+
 # -- the request ledger ------------------------------------------------------------------------
 
 

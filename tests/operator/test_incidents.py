@@ -350,3 +350,36 @@ def test_a_job_found_running_after_a_stop_ends_that_stops_hold() -> None:
         contained="NodeQuarantined",
     )
     assert incidents.job_holders(late, [old, late]) == [("old", False)]
+
+
+def _window(holder: dict[str, Any], last_clean: int) -> dict[str, Any]:
+    holder["spec"]["lastCleanStep"] = last_clean
+    return holder
+
+
+def test_a_resume_starts_at_or_before_every_open_window_of_the_job() -> None:
+    """The job was caught twice before it stopped: ``i1`` (window from step 40) resumes
+    it, while ``i2``'s window starts at step 20. A resume from step 40 would take a
+    checkpoint inside ``i2``'s window: the step is 20, and ``i2`` is named."""
+    me = _window(_holder("i1", "Contained", contained="NodeQuarantined"), 40)
+    quarantined = _window(_holder("i2", "Contained", contained="NodeQuarantined"), 20)
+    later = _window(_holder("i3", "Contained", contained="NodeQuarantined"), 60)
+    assert incidents.resume_max_step(me, [me, quarantined, later]) == (20, ["i2"])
+    # the clean run: alone, or with windows that are closed, its own step
+    assert incidents.resume_max_step(me, [me, later]) == (40, [])
+    closed = [
+        _window(_holder("released", "Released", contained="NodeQuarantined"), 10),
+        _window(_holder("dry", "DryRun"), 10),
+        _window(_holder("other-job", "Contained", uid="another"), 10),
+        # resumed the job before i1 stopped it (at 00:00:10): that run is behind
+        _window(
+            _holder("earlier-run", "Resumed", stopped="2026-11-29T00:00:01Z", resume="Succeeded"),
+            10,
+        ),
+    ]
+    assert incidents.resume_max_step(me, [me, *closed]) == (40, [])
+    # resumed while i1 already held the job (the same run): its window still counts
+    same_run = _window(
+        _holder("same-run", "Resumed", stopped="2026-11-29T00:00:20Z", resume="Succeeded"), 10
+    )
+    assert incidents.resume_max_step(me, [me, same_run]) == (10, ["same-run"])
