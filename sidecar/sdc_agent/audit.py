@@ -18,18 +18,22 @@ from torch import nn
 from .bundling import BundleSource, EvidenceWork, choose_source
 from .errors import SDCError
 from .evidence import (
+    HEADROOM,
+    LOSS,
     Comparison,
-    NoiseModel,
+    KindDiff,
     Summary,
     Tolerance,
     attribute,
     compare,
     compute_dtype,
+    layer_groups,
     noise_cap,
     tensor_stats,
 )
 from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
+from .judging import NoiseModel, split_by_kind
 from .replay import (
     Payload,
     Recheck,
@@ -38,6 +42,7 @@ from .replay import (
     choose_thirds,
     exchange,
     explain_mismatches,
+    judge,
     loss_bits,
     map_tensors,
     plan_ring,
@@ -162,14 +167,21 @@ class ReplayAudit:
         self.replayer_of = plan_ring(nodes)
         self.partner_of = {r: p for p, r in self.replayer_of.items()}
         self.params = [p for p in module.parameters() if p.requires_grad]
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+        groups = layer_groups(names) if len(names) == len(self.params) else ()
+        if not groups:
+            groups = (("gradients", tuple(range(len(self.params)))),)
+        self.kind_names = (LOSS, *(name for name, _ in groups))
+        self.groups = tuple(g for _, g in groups)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         first = next(iter(self.params), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._dtypes = {p.dtype for p in self.params}
-        self.noise = NoiseModel(cap=noise_cap(compute_dtype(self._dtypes, {}, self.device.type)))
+        dtype = compute_dtype(self._dtypes, {}, self.device.type)
+        self.noise = NoiseModel(
+            cap=noise_cap(dtype), kind_names=self.kind_names, dtype=_dtype_name(dtype)
+        )
         self.stats = ReplayStats()
-        self.blind = False
-        """The job's replays differ beyond any plausible noise: the audit verifies nothing."""
         self.max_mismatches = storm_threshold(len(nodes))
         missing = sorted(set(range(len(nodes))) - set(self.replayer_of))
         if missing and (every or probability):
@@ -204,8 +216,18 @@ class ReplayAudit:
         return int(seed.item())
 
     @property
+    def blind(self) -> bool:
+        """No kind of evidence can separate a faulty rank: the audit verifies nothing."""
+        return self.noise.blind
+
+    @property
     def verifies(self) -> bool:
         return not self.blind and not self.calibrate
+
+    def compare(self, a: Summary, b: Summary) -> Comparison:
+        """Two computations of one micro-batch, per kind of evidence (the loss, each
+        layer's gradients)."""
+        return compare(a, b, self.groups)
 
     # -- during the step -----------------------------------------------------------------
 
@@ -367,12 +389,12 @@ class ReplayAudit:
     def _tolerance(self, *ranks: int) -> Tolerance:
         return self.noise.tolerance(ranks)
 
-    def _cap(self) -> float:
+    def _cap(self) -> tuple[float, str]:
         """The noise cap for this step's audited computation: by the dtype it ran in
         (autocast's, from the payload, or the parameters')."""
         assert self.payload is not None
         dtype = compute_dtype(self._dtypes, self.payload.autocast, self.device.type)
-        return noise_cap(dtype)
+        return noise_cap(dtype), _dtype_name(dtype)
 
     def audit(self) -> AuditOutcome:
         """Compare this step's audited micro-batches across the ring. A collective."""
@@ -386,8 +408,10 @@ class ReplayAudit:
         received = exchange(
             sends, [partner] if partner is not None else [], self.group, self.comm_device
         )
-        row = torch.full((6,), -1.0, dtype=torch.float64)
-        row[5] = self._cap()
+        n = len(self.kind_names)
+        # [present, cap, then per kind: bitwise equal, relative difference]
+        row = torch.full((2 + 2 * n,), -1.0, dtype=torch.float64)
+        row[1] = self._cap()[0]
         partner_payload: Payload | None = None
         replayed: Summary | None = None
         partner_own: Summary | None = None
@@ -395,17 +419,20 @@ class ReplayAudit:
             raw, partner_own = _unpack(received[partner])
             partner_payload = Payload.from_bytes(raw)
             replayed = self._recompute(partner_payload)
-            c = compare(partner_own, replayed)
-            row[:5] = torch.tensor(
-                [1.0, float(c.loss_equal), float(c.grads_equal), c.loss_rel, c.grad_rel],
-                dtype=torch.float64,
-            )
+            c = self.compare(partner_own, replayed)
+            row[0] = 1.0
+            for k, d in enumerate(c.kinds):
+                row[2 + 2 * k] = float(d.equal)
+                row[3 + 2 * k] = d.rel
         table = self._gather(row)
         # Every rank decides from the same table, with the same cap (the widest any rank
         # computed in, should autocast differ between them).
-        self.noise.cap = max(t[5] for t in table)
+        cap = max(t[1] for t in table)
+        if cap != self.noise.cap:
+            self.noise.cap = cap
+            self.noise.dtype = self._cap()[1] if self._cap()[0] == cap else "the widest dtype"
         comparisons = {
-            p: Comparison(bool(t[1]), bool(t[2]), t[3], t[4])
+            p: Comparison(tuple(KindDiff(bool(t[2 + 2 * k]), t[3 + 2 * k]) for k in range(n)))
             for p, r in self.replayer_of.items()
             if (t := table[r])[0] == 1.0
         }
@@ -418,138 +445,318 @@ class ReplayAudit:
         partner_own: Summary | None,
         replayed: Summary | None,
     ) -> AuditOutcome:
+        """Judge each kind of evidence on its own: a kind whose differences are noise
+        learns them (or goes blind above the cap); a kind whose differences point at a
+        rank goes to the recheck; a rank is accused on whichever kind separates it."""
         ring = self.replayer_of
+        noise = self.noise
         self.stats.audits += 1
         self.stats.comparisons += len(comparisons)
         self.stats.differing += sum(not c.bitwise_equal for c in comparisons.values())
-        first = self.noise.audits == 0
-        self.noise.audits += 1
-        mismatched = [p for p, c in comparisons.items() if c.differs(self._tolerance(p, ring[p]))]
+        first = noise.audits == 0
+        noise.audits += 1
+        was_reproducible = noise.bit_reproducible is not False
+        flagged = split_by_kind(noise, comparisons, ring)
         evidence: dict[str, Any] = {}
-        if mismatched:
+        if flagged:
             evidence["mismatches"] = [
-                self._mismatch_evidence(p, comparisons[p]) for p in mismatched
+                self._mismatch_evidence(p, comparisons[p], flagged)
+                for p in sorted({p for ps in flagged.values() for p in ps})
             ]
-        learned = None
-        if first and mismatched and not self.calibrate:
-            mismatched, learned = self._baseline(mismatched, comparisons)
-        elif mismatched and not self.calibrate:
-            mismatched, learned = self._known_noise(mismatched, comparisons)
+        notes: list[str] = []
+        # Comparisons above the cap in some kind are evidence: none of their kinds is
+        # learned from them as noise.
+        loud = {p for p, c in comparisons.items() if noise.loudest(c) > noise.cap}
+        if not self.calibrate:
+            for k in list(flagged):
+                kept, note = self._noise_of_kind(k, flagged[k], comparisons, first, loud)
+                if note:
+                    notes.append(note)
+                if kept:
+                    flagged[k] = kept
+                else:
+                    del flagged[k]
+        mismatched = sorted({p for ps in flagged.values() for p in ps})
         self.stats.mismatches += len(mismatched)
-        self.stats.loss_mismatches += sum(not comparisons[p].loss_equal for p in mismatched)
+        self.stats.loss_mismatches += len(flagged.get(0, []))
         if mismatched:
             self.stats.mismatch_steps.append(self.step)
         if self.calibrate or not mismatched:
-            self.noise.count(comparisons.values())
-            return AuditOutcome(None, evidence if mismatched else {}, True, learned)
-        explanation = explain_mismatches(mismatched, ring, max_mismatches=self.max_mismatches)
-        rechecks: list[Recheck] = []
-        if not explanation.storm:
-            owners = sorted(set(explanation.persistent) | set(explanation.unexplained))
-            owners = [q for q in owners if q in mismatched]
-            rechecks = self._recheck(owners, mismatched, partner_payload, partner_own, replayed)
-            if rechecks:
-                evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks]
-        finding = resolve(explanation, rechecks)
-        if finding.classification == "rank" and finding.localized:
-            finding = self._rounding_level(finding, mismatched, comparisons)
-        if finding.classification != "nondeterministic":
+            noise.count(comparisons.values())
+            return AuditOutcome(
+                None, evidence if mismatched else {}, not self.blind, self._note(notes)
+            )
+        explanations = {
+            k: explain_mismatches(ps, ring, max_mismatches=self.max_mismatches)
+            for k, ps in flagged.items()
+        }
+        # A rank that one kind shows twice explains another kind's single mismatch that
+        # involves it: that pair needs no tie-break of its own (and no third node is
+        # spent on it).
+        persistent = {r for e in explanations.values() for r in e.persistent}
+        owners = sorted(
+            (
+                persistent
+                | {
+                    q
+                    for e in explanations.values()
+                    for q in e.unexplained
+                    if not {q, ring[q]} & persistent
+                }
+            )
+            & set(mismatched)
+        )
+        rechecks = self._recheck(owners, mismatched, partner_payload, partner_own, replayed)
+        if rechecks:
+            evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks[0]]
+        findings: dict[int, ReplayFinding] = {}
+        for k, e in explanations.items():
+            mine = [r for r in rechecks.get(k, []) if r.owner in flagged[k]]
+            if not mine and not e.ambiguous:
+                continue  # explained by the rank another kind shows
+            real = [
+                r
+                for r in mine
+                if not self._noise_transient(k, r, flagged[k], comparisons, was_reproducible)
+            ]
+            if mine and not real and not e.ambiguous:
+                findings[k] = ReplayFinding(
+                    "nondeterministic",
+                    (),
+                    False,
+                    None,
+                    f"{noise.kinds[k].name}: a replay differed within what rounding can "
+                    "produce and did not reproduce when recomputed: run-to-run noise of a "
+                    "kernel that is not deterministic, not evidence against any GPU",
+                )
+                continue
+            finding = resolve(e, real)
+            if finding.classification == "rank" and finding.localized:
+                finding = self._rounding_level(
+                    k, finding, flagged[k], comparisons, was_reproducible
+                )
+            findings[k] = finding
+        # Kinds that found nothing one GPU explains: their noise reached further.
+        for k, f in findings.items():
+            if f.classification == "nondeterministic":
+                diffs = [comparisons[p] for p in flagged[k]]
+                if noise.learn_job(k, diffs):
+                    notes.append(
+                        f"{noise.kinds[k].name}: replays differed by up to "
+                        f"{max(c.kinds[k].rel for c in diffs):.3g} (relative) without a "
+                        "pattern one GPU explains: learned as run-to-run noise"
+                    )
+                else:
+                    notes.append(
+                        noise.go_blind(
+                            k,
+                            max(c.kinds[k].rel for c in diffs),
+                            "replays differ without a pattern one GPU explains",
+                        )
+                    )
+        accusing = {
+            k: f
+            for k, f in findings.items()
+            if f.classification != "nondeterministic" and f.suspects
+        }
+        if accusing:
+            finding = _strongest(accusing, noise)
+            evidence["evidence_kinds"] = sorted(
+                noise.kinds[k].name
+                for k, f in accusing.items()
+                if set(f.suspects) & set(finding.suspects)
+            )
+            involved = {p for k in accusing for p in flagged[k]}
             # A hardware fault says nothing about the job's reproducibility: count the rest.
-            self.noise.count(c for p, c in comparisons.items() if p not in mismatched)
-            source = choose_source(finding, rechecks, ring)
+            noise.count(c for p, c in comparisons.items() if p not in involved)
+            source = choose_source(finding, rechecks.get(_kind_of(accusing, finding), []), ring)
             work = None
             if source is not None and source.writer == self.me:
                 work = self._evidence_work(source, partner_payload, partner_own, replayed)
-            return AuditOutcome(finding, evidence, False, learned, source, work)
-        self.noise.count(comparisons.values())
-        # Not hardware: the job's computation varies this much. Learn it (never drop a
-        # step for it), or, beyond any plausible noise, stop vouching for steps.
-        largest = max(comparisons[p].magnitude for p in mismatched)
-        if self.noise.learn_job(comparisons[p] for p in mismatched):
-            note = (
-                f"replays differ by up to {largest:.3g} (relative) without a pattern one "
-                f"GPU explains: learned as the job's run-to-run noise; {self.noise.describe()}"
-            )
-            return AuditOutcome(finding, evidence, True, note)
-        self.blind = True
-        note = (
-            f"replays differ by up to {largest:.3g} (relative), more than run-to-run noise "
-            f"of {self.noise.cap:g} can explain: the replay audit cannot verify this job "
-            "(randomness outside torch's generators, such as a private generator or "
-            "unseeded dropout, cannot be replayed); last_clean_step now follows the other "
-            "checks. Use sdc_agent.enable_determinism() and torch's generators to restore it."
+            return AuditOutcome(finding, evidence, False, self._note(notes), source, work)
+        noise.count(comparisons.values())
+        quiet = [f for f in findings.values() if f.classification == "nondeterministic"]
+        return AuditOutcome(
+            quiet[0] if quiet else None, evidence, not self.blind, self._note(notes)
         )
-        return AuditOutcome(finding, evidence, False, note)
 
-    def _known_noise(
-        self, mismatched: list[int], comparisons: dict[int, Comparison]
+    def _note(self, notes: list[str]) -> str | None:
+        """What this audit learned, for the once-per-job report and the log."""
+        if not notes:
+            return None
+        text = "; ".join(notes)
+        if self.blind:
+            return (
+                f"{text}. No kind of evidence can separate a faulty rank any more: the replay "
+                "audit cannot verify this job (replays differ beyond any rounding in every "
+                "kind, the loss and every layer's gradients: randomness outside torch's "
+                "generators, such as a private generator or unseeded dropout, cannot be "
+                "replayed); last_clean_step now follows the other checks. Use "
+                "sdc_agent.enable_determinism() and torch's generators to restore it."
+            )
+        return f"{text}; threshold in force: {self.noise.describe()}"
+
+    def _noise_of_kind(
+        self,
+        k: int,
+        flagged: list[int],
+        comparisons: dict[int, Comparison],
+        first: bool,
+        loud: set[int],
     ) -> tuple[list[int], str | None]:
-        """Differences within the cap, in evidence whose noise is already known (its
-        tolerance is above 0): the noise reaching further than the audits saw so far
-        (one sample of it sets the first tolerance), not evidence. They widen the
-        tolerance they exceeded and accuse nobody."""
+        """Kind ``k``'s differences that are its noise, learned; the rest kept as evidence.
+
+        Too many differing comparisons for one or two faulty GPUs (a storm) are the kind's
+        run-to-run noise: learned within the cap, and above it the kind goes blind. At
+        the first audit a difference within the cap cannot be told from a fault present
+        from the start: it is learned too, for the ranks the ring points at.
+        """
+        noise, ring = self.noise, self.replayer_of
+        name = noise.kinds[k].name
+        small = [p for p in flagged if noise.within_cap(k, comparisons[p]) and p not in loud]
+        large = [p for p in flagged if p not in small]
+        notes: list[str] = []
+        storm = explain_mismatches(flagged, ring, max_mismatches=self.max_mismatches).storm
+        if storm and large:
+            worst = max(comparisons[p].kinds[k].rel for p in large)
+            if explain_mismatches(large, ring, max_mismatches=self.max_mismatches).storm:
+                return [], noise.go_blind(k, worst, "too many replays differ for one GPU")
+        if small and (storm or first):
+            worst = max(comparisons[p].kinds[k].rel for p in small)
+            if storm:
+                noise.learn_job(k, (comparisons[p] for p in small))
+                who = "every rank's computations"
+            else:
+                common, rest = attribute(small, ring)
+                for r in common:
+                    for p in small:
+                        if r in (p, ring[p]):
+                            noise.learn_rank(k, r, comparisons[p])
+                for p, r in rest:
+                    noise.learn_rank(k, p, comparisons[p])
+                    noise.learn_rank(k, r, comparisons[p])
+                ranks = sorted(common | {r for pair in rest for r in pair})
+                who = "the processes of rank(s) " + ", ".join(
+                    str(self.topology.global_rank(r)) for r in ranks
+                )
+            when = "at the first audit" if first else "in one audit"
+            notes.append(
+                f"{name}: {when} {who} differed from their replays by up to {worst:.3g} "
+                "(relative), within what rounding can produce: learned as noise, accusing "
+                "nobody"
+                + (
+                    " (a difference present from the start, such as a per-process kernel "
+                    "choice or atomics, cannot be told from a fault present from the start)"
+                    if first
+                    else ""
+                )
+            )
+            reason = noise.kinds[k].blind
+            if reason is not None:
+                notes.append(reason)
+                return [], "; ".join(notes)
+            return large, "; ".join(notes)
+        return flagged, None
+
+    def _noise_transient(
+        self,
+        k: int,
+        recheck: Recheck,
+        flagged: list[int],
+        comparisons: dict[int, Comparison],
+        was_reproducible: bool,
+    ) -> bool:
+        """A recheck naming a rank whose wrong result did not reproduce, by no more than
+        rounding can make in kind ``k``, in a job whose replays have varied before: a
+        kernel that is not deterministic run to run gives exactly this (noise)."""
+        outcome, suspect, transient = judge(recheck)
+        if outcome not in ("owner", "replayer") or not transient or was_reproducible:
+            return False
         ring = self.replayer_of
-        grown = [
-            p
-            for p in mismatched
-            if self.noise.within_cap(comparisons[p])
-            and not self.noise.new_evidence(comparisons[p], (p, ring[p]))
-        ]
-        if not grown:
-            return mismatched, None
-        for p in grown:
-            self.noise.widen((p, ring[p]), comparisons[p])
-        note = (
-            f"replays differed by up to {max(comparisons[p].magnitude for p in grown):.3g} "
-            "(relative), within what rounding can produce, in evidence already known to "
-            f"carry noise: the tolerance grows to cover it; {self.noise.describe()}"
-        )
-        return [p for p in mismatched if p not in grown], note
+        against = [comparisons[p] for p in flagged if suspect in (p, ring[p])]
+        if all(self.noise.loudest(c) <= self.noise.cap for c in against):
+            return True
+        # Above the cap but not reproducible, in a kind whose noise is known: an outlier
+        # of that noise, or a glitch that no second observation supports. Within
+        # HEADROOM times the cap the kind's noise reaches the cap: it cannot separate.
+        kind = self.noise.kinds[k]
+        noisy = any(kind.tolerance((p, ring[p])) > 0 for p in flagged)
+        worst = max(c.kinds[k].rel for c in against)
+        if noisy and worst <= HEADROOM * self.noise.cap:
+            self.noise.go_blind(
+                k, worst, "a difference above the cap that did not reproduce, in noise"
+            )
+            return True
+        return False
 
     def _rounding_level(
-        self, finding: ReplayFinding, mismatched: list[int], comparisons: dict[int, Comparison]
+        self,
+        k: int,
+        finding: ReplayFinding,
+        flagged: list[int],
+        comparisons: dict[int, Comparison],
+        was_reproducible: bool,
     ) -> ReplayFinding:
         """A localized finding resting only on differences rounding can make (within the
-        cap) is named but not corroborated, and the difference is learned, so it is
-        reported once and never quarantines by repetition.
+        cap) in kind ``k`` is named but not corroborated, and the difference is learned,
+        so it is reported once and never quarantines by repetition.
 
         The recheck cannot tell such a difference from a kernel the suspect's process
         chose differently mid-run (autotuning a new shape, a library heuristic:
         reproducible on that GPU, like a broken one) or, when the rerun did not reproduce
         it, from a kernel that is not deterministic run to run. Only a recomputation by
-        another process on the suspect's GPU (the confirmation run) separates them.
+        another process on the suspect's GPU (the confirmation run) separates them. In a
+        job bit-reproducible so far, no kernel has ever varied: a transient difference is
+        named (transient, not corroborated).
         """
         ring = self.replayer_of
         suspects = set(finding.suspects)
-        against = [comparisons[p] for p in mismatched if suspects & {p, ring[p]}]
-        if not against or not all(self.noise.within_cap(c) for c in against):
+        against = [comparisons[p] for p in flagged if suspects & {p, ring[p]}]
+        # Rounding level: within the cap in every kind that still works, not only in the
+        # kind that accused (another may show the same fault far above it).
+        if not against or not all(self.noise.loudest(c) <= self.noise.cap for c in against):
             return finding
-        worst = max(c.magnitude for c in against)
+        worst = max(c.kinds[k].rel for c in against)
+        name = self.noise.kinds[k].name
         if finding.transient:
+            if was_reproducible:
+                return dataclasses.replace(
+                    finding,
+                    corroborated=False,
+                    message=(
+                        f"{finding.message}; the difference ({name}, {worst:.3g} relative) "
+                        "is within what rounding can produce, but every replay of this job "
+                        "so far matched bit for bit, so no kernel here varies run to run: "
+                        "named as transient, not corroborated"
+                    ),
+                )
             # Not reproducible on the same GPU, and no larger than rounding: a kernel that
-            # is not deterministic run to run gives exactly this. Noise (learned below).
+            # is not deterministic run to run gives exactly this. Noise (learned by the
+            # caller).
             return ReplayFinding(
                 "nondeterministic",
                 (),
                 False,
                 None,
-                f"a replay differed by {worst:.3g} (relative), within what rounding can "
-                "produce, and did not reproduce when recomputed: run-to-run noise of a "
+                f"a replay differed by {worst:.3g} (relative, {name}), within what rounding "
+                "can produce, and did not reproduce when recomputed: run-to-run noise of a "
                 "kernel that is not deterministic, not evidence against any GPU",
             )
         nodes = {self.nodes[q] for q in suspects}
         for r, node in enumerate(self.nodes):
             if node in nodes:
-                for c in against:
-                    self.noise.excuse(r, c)
+                # Every kind: the same rounding-level difference may show in another
+                # layer or the loss next time, and must not be reported again.
+                for kind in range(len(self.noise.kinds)):
+                    self.noise.excuse(kind, r)
         message = (
-            f"{finding.message}; but the difference ({worst:.3g} relative) is within what "
-            f"rounding can produce (up to {self.noise.cap:.3g} in the dtype this step "
-            "computed in): a kernel the suspect's process chose differently mid-run "
-            "(autotuning a new shape, a library heuristic) would look the same, and the "
-            "recheck cannot tell them apart, so this is not corroborated (a confirmation "
-            "run on the node decides) and is learned as the suspect node's noise (reported "
-            f"once); {self.noise.describe()}"
+            f"{finding.message}; but the difference ({name}, {worst:.3g} relative) is within "
+            f"what rounding can produce (up to {self.noise.cap:.3g} in {self.noise.dtype}, "
+            "the dtype this step computed in): a kernel the suspect's process chose "
+            "differently mid-run (autotuning a new shape, a library heuristic) would look "
+            "the same, and the recheck cannot tell them apart, so this is not corroborated "
+            "(a confirmation run on the node decides) and is learned as the suspect node's "
+            f"noise (reported once); {self.noise.describe()}"
         )
         return dataclasses.replace(finding, corroborated=False, message=message)
 
@@ -570,51 +777,30 @@ class ReplayAudit:
         own = partner_own if source.work_of == source.suspect else None
         return EvidenceWork(partner_payload, replayed, own)
 
-    def _baseline(
-        self, mismatched: list[int], comparisons: dict[int, Comparison]
-    ) -> tuple[list[int], str | None]:
-        """The first audit: differences the job shows from the start are its noise."""
-        ring = self.replayer_of
-        small = [p for p in mismatched if self.noise.within_cap(comparisons[p])]
-        if not small:
-            return mismatched, None
-        explanation = explain_mismatches(small, ring, max_mismatches=self.max_mismatches)
-        if explanation.storm:
-            self.noise.learn_job(comparisons[p] for p in small)
-            who = "every rank's computations"
-        else:
-            common, rest = attribute(small, ring)
-            for r in common:
-                for p in small:
-                    if r in (p, ring[p]):
-                        self.noise.learn_rank(r, comparisons[p])
-            for p, r in rest:
-                self.noise.learn_rank(p, comparisons[p])
-                self.noise.learn_rank(r, comparisons[p])
-            ranks = sorted(common | {r for pair in rest for r in pair})
-            who = "the processes of rank(s) " + ", ".join(
-                str(self.topology.global_rank(r)) for r in ranks
-            )
-        note = (
-            f"at the first audit {who} differed from their replays by up to "
-            f"{max(comparisons[p].magnitude for p in small):.3g} (relative): a difference "
-            "present from the start (per-process kernel choice, atomics) cannot be told "
-            "from a fault present from the start, so it is learned as noise and accuses "
-            f"nobody; {self.noise.describe()}"
-        )
-        return [p for p in mismatched if p not in small], note
+    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int]) -> list[bool]:
+        """Per kind: two computations in the recheck agree within the tolerance in
+        force for ``ranks`` in that kind."""
+        c = self.compare(a, b)
+        t = self.noise.tolerances(ranks)
+        return [
+            not _differs_at(c.kinds[k], t[k], self.noise.kinds[k].measured)
+            for k in range(len(c.kinds))
+        ]
 
-    def _agree(self, a: Summary, b: Summary, ranks: tuple[int, int]) -> bool:
-        """Two computations in the recheck agree: within the tolerance in force for
-        ``ranks``, or within the cap in evidence already known to carry noise (the rule
-        of the first round, :meth:`_known_noise`: one sample of noise sets the first
-        tolerance, and the next may reach further)."""
-        c = compare(a, b)
-        if not c.differs(self._tolerance(*ranks)):
-            return True
-        return self.noise.within_cap(c) and not self.noise.new_evidence(c, ranks)
-
-    def _mismatch_evidence(self, p: int, c: Comparison) -> dict[str, Any]:
+    def _mismatch_evidence(
+        self, p: int, c: Comparison, flagged: dict[int, list[int]]
+    ) -> dict[str, Any]:
+        ranks = (p, self.replayer_of[p])
+        tol = self._tolerance(*ranks)
+        tols = self.noise.tolerances(ranks)
+        kinds = {
+            self.noise.kinds[k].name: {
+                "relative_difference": _finite(c.kinds[k].rel),
+                "tolerance": tols[k],
+            }
+            for k, ps in flagged.items()
+            if p in ps
+        }
         return {
             "work_of": self.topology.global_rank(p),
             "replayed_by": self.topology.global_rank(self.replayer_of[p]),
@@ -622,8 +808,9 @@ class ReplayAudit:
             "gradients_equal": c.grads_equal,
             "loss_relative_difference": _finite(c.loss_rel),
             "gradient_relative_difference": _finite(c.grad_rel),
-            "tolerance": self._tolerance(p, self.replayer_of[p]).gradients,
-            "loss_tolerance": self._tolerance(p, self.replayer_of[p]).loss,
+            "tolerance": tol.gradients,
+            "loss_tolerance": tol.loss,
+            "kinds": kinds,
         }
 
     def _recheck_evidence(self, r: Recheck) -> dict[str, Any]:
@@ -644,10 +831,12 @@ class ReplayAudit:
         partner_payload: Payload | None,
         partner_own: Summary | None,
         replayed: Summary | None,
-    ) -> list[Recheck]:
+    ) -> dict[int, list[Recheck]]:
         """Round two for each owner: rerun on the owner, replay again on its replayer, and
-        once on a third node. A collective."""
+        once on a third node; agreement judged per kind of evidence. A collective.
+        Returns the rechecks per kind (every kind, all owners)."""
         me, ring = self.me, self.replayer_of
+        n = len(self.kind_names)
         involved = {r for p in mismatched for r in (p, ring[p])}
         third = choose_thirds(owners, ring, self.nodes, involved)
         sends: dict[int, list[Any]] = {}
@@ -679,38 +868,41 @@ class ReplayAudit:
                     works[item[1]] = (Payload.from_bytes(item[2]), item[3])
                 else:
                     replays[item[1]] = item[2]
-        # Per owner: [rerun reproduces, rereplay reproduces, third ~ original, third ~ replay]
-        row = torch.full((len(owners), 4), -1.0, dtype=torch.float64)
+        # Per owner and kind: [rerun reproduces, rereplay reproduces, third ~ original,
+        # third ~ replay]
+        row = torch.full((max(len(owners), 1), n, 4), -1.0, dtype=torch.float64)
         for k, q in enumerate(owners):
             if me == q:
                 assert self.payload is not None
                 again = self._recompute(self.payload)
                 # At the tolerance of the comparison that flagged q's work: the noise
                 # learned for q's pair (or the job) moves q's own rerun as much.
-                row[k, 0] = float(self._agree(self.own_summary(), again, (q, ring[q])))
+                row[k, :, 0] = _flags(self._agree(self.own_summary(), again, (q, ring[q])))
             if me == ring[q] and partner_payload is not None and replayed is not None:
                 again = self._recompute(partner_payload)
-                row[k, 1] = float(self._agree(replayed, again, (q, ring[q])))
+                row[k, :, 1] = _flags(self._agree(replayed, again, (q, ring[q])))
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[k, 2] = float(self._agree(original, mine, (me, q)))
-                row[k, 3] = float(self._agree(replays[q], mine, (me, ring[q])))
-        table = [torch.tensor(t).reshape(len(owners), 4).tolist() for t in self._gather(row)]
-        out = []
-        for k, q in enumerate(owners):
-            t = third.get(q)
-            out.append(
-                Recheck(
-                    owner=q,
-                    replayer=ring[q],
-                    third=t,
-                    third_agrees_original=None if t is None else table[t][k][2] == 1.0,
-                    third_agrees_replay=None if t is None else table[t][k][3] == 1.0,
-                    rerun_reproduces=table[q][k][0] == 1.0,
-                    rereplay_reproduces=table[ring[q]][k][1] == 1.0,
+                row[k, :, 2] = _flags(self._agree(original, mine, (me, q)))
+                row[k, :, 3] = _flags(self._agree(replays[q], mine, (me, ring[q])))
+        shape = (max(len(owners), 1), n, 4)
+        table = [torch.tensor(t).reshape(shape).tolist() for t in self._gather(row)]
+        out: dict[int, list[Recheck]] = {}
+        for kind in range(n):
+            for k, q in enumerate(owners):
+                t = third.get(q)
+                out.setdefault(kind, []).append(
+                    Recheck(
+                        owner=q,
+                        replayer=ring[q],
+                        third=t,
+                        third_agrees_original=None if t is None else table[t][k][kind][2] == 1.0,
+                        third_agrees_replay=None if t is None else table[t][k][kind][3] == 1.0,
+                        rerun_reproduces=table[q][k][kind][0] == 1.0,
+                        rereplay_reproduces=table[ring[q]][k][kind][1] == 1.0,
+                    )
                 )
-            )
         return out
 
     def replay_nonfinite(
@@ -749,6 +941,40 @@ class ReplayAudit:
         out = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _flags(agree: list[bool]) -> torch.Tensor:
+    return torch.tensor([float(a) for a in agree], dtype=torch.float64)
+
+
+def _differs_at(diff: KindDiff, tolerance: float, measured: float) -> bool:
+    """Disagreement in the recheck: evidence at ``tolerance`` (see
+    :func:`~sdc_agent.evidence.kind_differs`)."""
+    del measured
+    return not diff.equal and (tolerance <= 0 or diff.rel > tolerance)
+
+
+def _strength(f: ReplayFinding) -> tuple[int, int]:
+    return (int(f.localized), int(bool(f.corroborated)))
+
+
+def _strongest(findings: dict[int, ReplayFinding], noise: NoiseModel) -> ReplayFinding:
+    """The finding accusing on the strongest evidence (localized, then corroborated, then
+    the first kind: the loss, then layers in order), naming the kind."""
+    k = max(findings, key=lambda k: (_strength(findings[k]), -k))
+    f = findings[k]
+    return dataclasses.replace(f, message=f"{f.message} (evidence: {noise.kinds[k].name})")
+
+
+def _kind_of(findings: dict[int, ReplayFinding], chosen: ReplayFinding) -> int:
+    for k, f in findings.items():
+        if f.suspects == chosen.suspects and f.localized == chosen.localized:
+            return k
+    return next(iter(findings))
 
 
 def _finite(x: float) -> float | None:

@@ -4,12 +4,17 @@
 processes (one per entry of ``nodes``), injects the requested faults, and returns what
 every rank saw. Everything is seeded, so two runs with the same arguments produce the
 same bits.
+
+Run-to-run noise (what kernels that are not bit-reproducible give) is emulated in torch
+and drawn from one generator per process, seeded from :attr:`Drill.noise_seed` and the
+rank: every computation draws afresh (an original and its replay on another rank, or a
+rank's own rerun, differ, as on a real GPU), yet two runs of the same drill draw the same
+noise, so a test that fails fails again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +32,7 @@ from .guard import Guard
 from .launch import spawn_local
 from .verdict import StepResult
 
-__all__ = ["Drill", "DrillRank", "make_model", "make_batch", "run_drill"]
+__all__ = ["Drill", "DrillRank", "make_batch", "make_model", "run_drill", "seed_noise"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,10 +67,21 @@ class Drill:
     grad_noise_everywhere: bool = False
     """With ``grad_noise``: every element of that gradient moves by ±1 ulp, not three (a
     full reduction made with atomics)."""
+    grad_noise_fraction: float = 0.0
+    """With ``grad_noise``: this fraction of that gradient's elements moves, each by 1 to
+    ``grad_noise_ulps`` ulp up or down (a bf16 backward with atomics: 0.1 for 10 %)."""
+    grad_noise_ulps: int = 1
+    forward_noise: float = 0.0
+    """This fraction of the second layer's outputs moves by ±1 ulp in every computation
+    (a forward kernel that is not bit-reproducible: split-K GEMMs; 0.01 for 1 %)."""
     reorder_rank: int | None = None
     """This rank's process computes the second layer's forward in another summation
     order from the first step: a deterministic last-bit difference, as per-process
     autotuning gives."""
+    autocast: bool = False
+    """Run every forward under CPU autocast in bfloat16 (the loss in float32)."""
+    noise_seed: int = 0
+    """Seeds each process's noise generator (with its rank)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,49 +106,112 @@ class DrillRank:
 
 
 class _Noise(nn.Module):
-    """Adds noise the replay cannot reproduce: its generator is private and unseeded."""
+    """Adds noise the replay cannot reproduce: its generator is private (outside torch's
+    default generators, which the replay restores), seeded per process from the drill's
+    noise stream."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
         self.scale = scale
-        self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        seed = int(torch.randint(0, 2**31, (1,), generator=_noise_generator()).item())
+        self.generator = torch.Generator().manual_seed(seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.scale * torch.rand(x.shape, generator=self.generator)
+
+
+_NOISE: list[torch.Generator] = []
+"""This process's run-to-run noise generator (set by :func:`drill_worker`)."""
+
+
+def seed_noise(seed: int, rank: int) -> None:
+    """Seed this process's run-to-run noise (one stream per rank and seed)."""
+    _NOISE[:] = [torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + 17)]
+
+
+def _noise_generator() -> torch.Generator:
+    if not _NOISE:
+        seed_noise(0, 0)
+    return _NOISE[0]
+
+
+_SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
+
+
+def _move_ulps(
+    t: torch.Tensor, where: torch.Tensor, ulps: torch.Tensor, unit: torch.dtype | None = None
+) -> torch.Tensor:
+    """``t`` with the flat elements ``where`` moved by ``ulps`` units in the last place
+    (signed) of ``unit`` (default: ``t``'s dtype; bfloat16 for a float32 gradient of a
+    bf16 computation). Zeros stay."""
+    out = t.detach().clone().contiguous()
+    flat = out.view(-1)
+    values = flat[where]
+    bits = _SIGNIFICANT_BITS[unit or t.dtype]
+    _, exponent = torch.frexp(values.float())
+    step = torch.ldexp(torch.ones_like(values, dtype=torch.float32), exponent - bits)
+    moved = (values.float() + ulps.float() * step).to(flat.dtype)
+    flat[where] = torch.where(values == 0, values, moved)
+    return out
+
+
+def _draw(numel: int, fraction: float, max_ulps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _noise_generator()
+    count = max(1, round(fraction * numel))
+    where = torch.randperm(numel, generator=g)[:count]
+    size = torch.randint(1, max_ulps + 1, (count,), generator=g)
+    sign = torch.randint(0, 2, (count,), generator=g) * 2 - 1
+    return where, size * sign
 
 
 class _UlpNoise(torch.autograd.Function):
     """Identity forward; the backward moves three elements of the gradient by ±1 ulp."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
+        ctx.fraction, ctx.ulps = fraction, ulps
+        ctx.bf16 = torch.is_autocast_enabled("cpu")
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-        noisy = grad.clone()
-        where = torch.randint(0, noisy.numel(), (3,), generator=g)
-        up = torch.randint(0, 2, (3,), generator=g).bool()
-        flat = noisy.view(-1)
-        flat[where] = torch.nextafter(
-            flat[where], torch.where(up, float("inf"), float("-inf")).to(flat.dtype)
-        )
-        return noisy
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        unit = None
+        if ctx.fraction > 0:
+            where, ulps = _draw(grad.numel(), ctx.fraction, ctx.ulps)
+            # The gradient of a bf16 computation: its noise is in bf16's ulps.
+            unit = torch.bfloat16 if ctx.bf16 else None
+        else:
+            g = _noise_generator()
+            where = torch.randint(0, grad.numel(), (3,), generator=g)
+            ulps = torch.randint(0, 2, (3,), generator=g) * 2 - 1
+        return _move_ulps(grad, where, ulps, unit).view_as(grad), None, None
 
 
 class _UlpNoiseEverywhere(torch.autograd.Function):
     """Identity forward; the backward moves every element of the gradient by ±1 ulp."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, fraction: float, ulps: int) -> torch.Tensor:
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-        up = torch.randint(0, 2, grad.shape, generator=g).bool()
-        return torch.nextafter(grad, torch.where(up, float("inf"), float("-inf")).to(grad.dtype))
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        up = torch.randint(0, 2, grad.shape, generator=_noise_generator()).bool()
+        inf = torch.where(up, float("inf"), float("-inf")).to(grad.dtype)
+        return torch.nextafter(grad, inf), None, None
+
+
+class _ForwardNoise(torch.autograd.Function):
+    """Moves a fraction of a forward output by ±1 ulp; gradients pass through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fraction: float) -> torch.Tensor:
+        where, ulps = _draw(x.numel(), fraction, 1)
+        return _move_ulps(x, where, ulps).view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class DrillLinear(nn.Linear):
@@ -146,19 +225,33 @@ class DrillLinear(nn.Linear):
         grad_noise: bool,
         reorder: bool,
         everywhere: bool = False,
+        fraction: float = 0.0,
+        ulps: int = 1,
+        forward_noise: float = 0.0,
     ) -> None:
         super().__init__(n_in, n_out)
         self.grad_noise = grad_noise
         self.reorder = reorder
+        self.fraction = fraction
+        self.ulps = ulps
+        self.forward_noise = forward_noise
         self.noise: type[torch.autograd.Function] = _UlpNoiseEverywhere if everywhere else _UlpNoise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.noise.apply(self.weight) if self.grad_noise else self.weight
+        weight = (
+            self.noise.apply(self.weight, self.fraction, self.ulps)
+            if self.grad_noise
+            else self.weight
+        )
         if not self.reorder:
-            return nn.functional.linear(x, weight, self.bias)
-        half = x.shape[-1] // 2  # the same sum, added in another order
-        low = nn.functional.linear(x[..., :half], weight[:, :half])
-        return nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
+            out = nn.functional.linear(x, weight, self.bias)
+        else:
+            half = x.shape[-1] // 2  # the same sum, added in another order
+            low = nn.functional.linear(x[..., :half], weight[:, :half])
+            out = nn.functional.linear(x[..., half:], weight[:, half:], self.bias) + low
+        if self.forward_noise > 0:
+            out = _ForwardNoise.apply(out, self.forward_noise)
+        return out
 
 
 def make_model(
@@ -169,12 +262,22 @@ def make_model(
     grad_noise: bool = False,
     reorder: bool = False,
     noise_everywhere: bool = False,
+    grad_noise_fraction: float = 0.0,
+    grad_noise_ulps: int = 1,
+    forward_noise: float = 0.0,
 ) -> nn.Module:
     second: nn.Module = (
         DrillLinear(
-            width, width, grad_noise=grad_noise, reorder=reorder, everywhere=noise_everywhere
+            width,
+            width,
+            grad_noise=grad_noise,
+            reorder=reorder,
+            everywhere=noise_everywhere,
+            fraction=grad_noise_fraction,
+            ulps=grad_noise_ulps,
+            forward_noise=forward_noise,
         )
-        if grad_noise or reorder
+        if grad_noise or reorder or forward_noise
         else nn.Linear(width, width)
     )
     layers: list[nn.Module] = [
@@ -203,12 +306,22 @@ def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def bf16_mse_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """:func:`mse_loss` with the model's forward under CPU autocast in bfloat16 and the
+    loss computed in float32 (the usual mixed-precision loop)."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return nn.functional.mse_loss(out.float(), y)
+
+
 def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRank]:
     """Run ``drills`` one after the other on this rank (called by :func:`spawn_local`)."""
     import time
 
     out = []
     for drill in drills:
+        seed_noise(drill.noise_seed, rank)
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
         model = make_model(
             drill.width,
@@ -217,7 +330,11 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             grad_noise=drill.grad_noise,
             reorder=drill.reorder_rank == rank,
             noise_everywhere=drill.grad_noise_everywhere,
+            grad_noise_fraction=drill.grad_noise_fraction,
+            grad_noise_ulps=drill.grad_noise_ulps,
+            forward_noise=drill.forward_noise,
         )
+        loss_fn = bf16_mse_loss if drill.autocast else mse_loss
         ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
@@ -225,7 +342,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             Guard(
                 ddp,
                 optimizer,
-                mse_loss,
+                loss_fn,
                 GuardConfig.from_env(faults=drill.faults, **drill.config),
             )
             if drill.guarded
@@ -250,7 +367,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 for j, batch in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else ddp.no_sync():
-                        loss = mse_loss(ddp, batch)
+                        loss = loss_fn(ddp, batch)
                         (loss / len(micro) if len(micro) > 1 else loss).backward()
                     total += float(loss.item())
                 optimizer.step()
@@ -259,7 +376,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 continue
             try:
                 if drill.low_level:
-                    result = _low_level_step(guard, ddp, optimizer, micro[0])
+                    result = _low_level_step(guard, ddp, optimizer, micro[0], loss_fn)
                 else:
                     result = (
                         guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
@@ -297,11 +414,11 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
 
 
 def _low_level_step(
-    guard: Guard, ddp: nn.Module, optimizer: torch.optim.Optimizer, batch: Any
+    guard: Guard, ddp: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: Any
 ) -> StepResult:
     optimizer.zero_grad(set_to_none=True)
     guard.begin_step()
-    loss = mse_loss(ddp, batch)
+    loss = loss_fn(ddp, batch)
     loss.backward()
     applied = guard.check_gradients()
     if applied:

@@ -26,10 +26,12 @@ Sites:
     a module's forward output (a wrong activation; autograd passes gradients through
     unchanged, as faulty hardware would).
 
-Kinds: ``nan``, ``inf``, ``bitflip`` (flip bit ``bit`` of the element's bit pattern) and
+Kinds: ``nan``, ``inf``, ``bitflip`` (flip bit ``bit`` of the element's bit pattern),
 ``relative`` (multiply by ``1 + relative_error``: 4.0001 instead of 4.0000 at the
 default; an element the error cannot change in its dtype, such as zero or a value that
-rounds back, moves by one unit in the last place instead, so the fault always bites).
+rounds back, moves by one unit in the last place instead, so the fault always bites) and
+``ulp`` (move the element ``ulps`` units in the last place of its own dtype away from
+zero: 8 bf16 ulp is ``kind=ulp,ulps=8``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ from .fingerprint import INT_OF_WIDTH
 __all__ = ["FAULT_KINDS", "FAULT_SITES", "FaultInjector", "FaultSpec", "corrupt_", "parse_faults"]
 
 Site = Literal["grad_local", "grad_reduced", "weights", "forward"]
-Kind = Literal["nan", "inf", "bitflip", "relative"]
+Kind = Literal["nan", "inf", "bitflip", "relative", "ulp"]
 FAULT_SITES: tuple[str, ...] = ("grad_local", "grad_reduced", "weights", "forward")
-FAULT_KINDS: tuple[str, ...] = ("nan", "inf", "bitflip", "relative")
+FAULT_KINDS: tuple[str, ...] = ("nan", "inf", "bitflip", "relative", "ulp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +78,8 @@ class FaultSpec:
     exponent bit."""
     relative_error: float = 2.5e-5
     """Relative error for ``relative``."""
+    ulps: int = 1
+    """Units in the last place for ``ulp`` (in the dtype of the tensor hit)."""
 
     def __post_init__(self) -> None:
         require_choice("faults.site", self.site, FAULT_SITES)
@@ -85,6 +89,7 @@ class FaultSpec:
         if self.index is not None:
             require_int("faults.index", self.index, minimum=0)
         require_int("faults.bit", self.bit, minimum=0, maximum=63)
+        require_int("faults.ulps", self.ulps, minimum=1, maximum=1 << 20)
         require_bool("faults.persistent", self.persistent)
         if (
             not isinstance(self.relative_error, float | int)
@@ -103,7 +108,7 @@ _FIELD_NAMES = tuple(f.name for f in fields(FaultSpec))
 
 
 def _parse_value(name: str, raw: str) -> Any:
-    if name in ("rank", "step", "bit"):
+    if name in ("rank", "step", "bit", "ulps"):
         try:
             return int(raw)
         except ValueError:
@@ -179,6 +184,10 @@ def corrupt_(tensor: torch.Tensor, spec: FaultSpec) -> None:
                 mask -= 1 << width
             bits = flat.view(INT_OF_WIDTH[flat.element_size()])
             bits[sel] ^= mask
+        elif spec.kind == "ulp":
+            # Sign-magnitude: adding to the bits moves a value away from zero either sign.
+            bits = flat.view(INT_OF_WIDTH[flat.element_size()])
+            bits[sel] += spec.ulps
         else:
             old = flat[sel].clone()
             new = (old.float() * (1.0 + spec.relative_error)).to(flat.dtype)

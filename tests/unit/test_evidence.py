@@ -9,14 +9,16 @@ import torch
 from sdc_agent.evidence import (
     HEADROOM,
     Comparison,
-    NoiseModel,
+    KindDiff,
     Summary,
     Tolerance,
     compare,
     compute_dtype,
+    layer_groups,
     noise_cap,
     tensor_stats,
 )
+from sdc_agent.judging import NoiseModel, split_by_kind
 
 
 def summary(loss: float, grads: list[torch.Tensor]) -> Summary:
@@ -71,51 +73,94 @@ def test_a_different_loss_bit_is_seen_and_measured() -> None:
 
 
 def grads_off(rel: float) -> Comparison:
-    return Comparison(loss_equal=True, grads_equal=False, loss_rel=0.0, grad_rel=rel)
+    return Comparison.of(loss_equal=True, grads_equal=False, loss_rel=0.0, grad_rel=rel)
 
 
 def loss_off(rel: float) -> Comparison:
-    return Comparison(loss_equal=False, grads_equal=True, loss_rel=rel, grad_rel=0.0)
+    return Comparison.of(loss_equal=False, grads_equal=True, loss_rel=rel, grad_rel=0.0)
+
+
+LOSS, GRADS = 0, 1
+FP32 = noise_cap(torch.float32)
 
 
 def test_noise_model_learns_per_rank_and_for_the_job_within_a_cap() -> None:
-    model = NoiseModel(cap=noise_cap(torch.float32))
+    model = NoiseModel(cap=FP32)
     assert model.bit_reproducible is None and model.largest == 0
     assert model.describe() == "not measured yet"
-    assert model.learn_rank(3, grads_off(1e-8))
+    assert model.learn_rank(GRADS, 3, grads_off(1e-8))
     assert model.tolerance([3, 4]) == Tolerance(loss=0.0, gradients=HEADROOM * 1e-8)
     assert model.tolerance([0, 4]) == Tolerance(), "other ranks stay bit-exact"
     assert "rank 3 up to 8e-08" in model.describe(), "learned is described before counting"
-    assert not model.learn_job([grads_off(1.0)]), "above the cap is never noise"
-    assert not model.learn_job([grads_off(2.5e-5)]), "a 2.5e-5 fault is not float32 noise"
-    assert model.job == 0
-    assert model.learn_job([grads_off(1e-7)])
+    assert not model.learn_job(GRADS, [grads_off(1.0)]), "above the cap is never noise"
+    assert not model.learn_job(GRADS, [grads_off(2.5e-5)]), "a 2.5e-5 fault is not fp32 noise"
+    assert model.kinds[GRADS].job == 0
+    assert model.learn_job(GRADS, [grads_off(1e-7)])
     assert model.tolerance([0]).gradients == HEADROOM * 1e-7
-    assert model.learn_job([grads_off(5e-7)])
-    assert model.largest == noise_cap(torch.float32), "within the cap, never above it"
-    assert noise_cap(torch.bfloat16) > noise_cap(torch.float16) > noise_cap(torch.float32)
+    assert model.learn_job(GRADS, [grads_off(5e-7)])
+    assert model.largest == FP32, "within the cap, never above it"
+    assert noise_cap(torch.bfloat16) > noise_cap(torch.float16) > FP32
 
 
 def test_gradient_noise_never_raises_the_loss_tolerance() -> None:
-    model = NoiseModel(cap=noise_cap(torch.float32))
-    assert model.learn_job([grads_off(2e-7)]) and model.learn_rank(1, grads_off(2e-7))
-    one_ulp_forward = Comparison(False, False, 7e-8, 1e-7)
-    tolerance = model.tolerance([1, 2])
-    assert tolerance.loss == 0 and tolerance.gradients > 1e-7
-    assert one_ulp_forward.differs(tolerance), "the loss stays a bitwise comparison"
-    assert not grads_off(1e-7).differs(tolerance)
+    model = NoiseModel(cap=FP32)
+    assert model.learn_job(GRADS, [grads_off(2e-7)])
+    assert model.learn_rank(GRADS, 1, grads_off(2e-7))
+    one_ulp_forward = Comparison.of(False, False, 7e-8, 1e-7)
+    assert model.tolerances([1, 2])[LOSS] == 0 and model.tolerances([1, 2])[GRADS] > 1e-7
+    assert model.differs(LOSS, one_ulp_forward, [1, 2]), "the loss stays bit for bit"
+    assert not model.differs(GRADS, one_ulp_forward, [1, 2])
     assert "loss: compared bit for bit" in model.describe()
     # Only a loss difference (a forward that is not reproducible) raises it.
-    assert model.learn_rank(2, loss_off(5e-8))
-    assert model.tolerance([2]).loss == HEADROOM * 5e-8 and model.tolerance([1]).loss == 0
-    assert not loss_off(5e-8).differs(model.tolerance([2]))
-    assert loss_off(5e-8).differs(model.tolerance([1]))
+    assert model.learn_rank(LOSS, 2, loss_off(5e-8))
+    assert model.tolerances([2])[LOSS] == HEADROOM * 5e-8 and model.tolerances([1])[LOSS] == 0
+    assert not model.differs(LOSS, loss_off(5e-8), [2])
+    assert model.differs(LOSS, loss_off(5e-8), [1])
 
 
 def test_a_bitwise_difference_that_moves_no_statistic_is_learned_above_zero() -> None:
-    model = NoiseModel(cap=noise_cap(torch.float32))
-    assert model.learn_job([grads_off(0.0)])
-    assert model.job > 0 and not grads_off(0.0).differs(model.tolerance([0]))
+    model = NoiseModel(cap=FP32)
+    assert model.learn_job(GRADS, [grads_off(0.0)])
+    assert model.kinds[GRADS].job > 0 and not model.differs(GRADS, grads_off(0.0), [0])
+
+
+def test_each_layer_is_a_kind_and_noise_in_one_never_hides_another() -> None:
+    names = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+    groups = layer_groups(names)
+    assert [k for k, _ in groups] == ["gradients:0", "gradients:3", "gradients:5"]
+    assert [g for _, g in groups] == [(0, 1), (2, 3), (4, 5)]
+    torch.manual_seed(0)
+    grads = [torch.randn(8, 8), torch.randn(8), torch.randn(8, 8), torch.randn(8)] * 1
+    grads += [torch.randn(4, 8), torch.randn(4)]
+    noisy = [g.clone() for g in grads]
+    noisy[2] = noisy[2] * (1 + 1e-2)  # layer 3's weight gradient: loud noise
+    wrong = [g.clone() for g in noisy]
+    wrong[4] = wrong[4] * (1 + 1e-4)  # layer 5 off by 1e-4: a fault
+    base = summary(1.0, grads)
+    c_noise = compare(base, summary(1.0, noisy), [g for _, g in groups])
+    c_fault = compare(base, summary(1.0, wrong), [g for _, g in groups])
+    assert len(c_noise.kinds) == 4 and c_noise.kinds[0] == KindDiff(True, 0.0)
+    assert c_noise.kinds[2].rel > 1e-2 and c_noise.kinds[3].equal
+    assert c_fault.kinds[3].rel > 1e-4
+    # One global statistic: the fault is lost in layer 3's noise.
+    assert compare(base, summary(1.0, wrong)).grad_rel == c_noise.kinds[2].rel
+    cap = noise_cap(torch.bfloat16)
+    model = NoiseModel(cap=cap, kind_names=["loss", *(k for k, _ in groups)], dtype="bfloat16")
+    reason = model.go_blind(2, c_noise.kinds[2].rel, "too many replays differ for one GPU")
+    assert "gradients:3" in reason and "bfloat16" in reason and "0.0078125" in reason
+    assert not model.blind and model.working == [0, 1, 3]
+    assert model.thresholds() == {
+        "loss": 0.0,
+        "gradients:0": 0.0,
+        "gradients:3": None,
+        "gradients:5": 0.0,
+    }
+    ring = {0: 1, 1: 2, 2: 0}
+    flagged = split_by_kind(model, {0: c_noise, 1: c_fault, 2: c_noise}, ring)
+    assert flagged == {3: [1]}, "the blind layer says nothing, the faulty layer speaks"
+    for k in model.working:
+        model.go_blind(k, 1.0, "test")
+    assert model.blind and "blind" in model.describe()
 
 
 def test_the_cap_follows_the_dtype_the_computation_ran_in() -> None:
@@ -134,28 +179,9 @@ def test_the_cap_follows_the_dtype_the_computation_ran_in() -> None:
     )
 
 
-def test_known_noise_widens_where_it_was_learned_and_new_evidence_is_told_apart() -> None:
-    model = NoiseModel(cap=noise_cap(torch.float32))
-    model.learn_rank(1, Comparison(False, False, 6e-8, 7e-8))
-    assert not model.new_evidence(grads_off(2e-7), [1, 2]), "rank 1's noise is known"
-    assert model.new_evidence(grads_off(2e-7), [0, 2]), "ranks 0 and 2 were bit for bit"
-    assert model.widen([1, 2], Comparison(False, False, 8e-7, 2e-7))
-    assert model.per_rank[1] == noise_cap(torch.float32)  # 8 x 2e-7, within the cap
-    assert model.loss_per_rank[1] == noise_cap(torch.float32)
-    assert 2 not in model.per_rank and model.job == 0, "widened only where it was learned"
-    assert not model.widen([1, 2], grads_off(2.5e-5)), "above the cap: never noise"
-    job = NoiseModel(cap=noise_cap(torch.float32))
-    job.learn_job([grads_off(1e-8)])
-    assert not job.new_evidence(grads_off(5e-8), [0, 1])
-    assert job.new_evidence(Comparison(False, False, 7e-8, 5e-8), [0, 1]), "the loss is new"
-    job.widen([0, 1], grads_off(5e-8))
-    assert job.job == HEADROOM * 5e-8 and job.per_rank == {}
-
-
-def test_an_excused_rank_takes_differences_up_to_the_cap_in_the_parts_that_differed() -> None:
-    model = NoiseModel(cap=noise_cap(torch.float32))
-    model.excuse(1, loss_off(8e-8))
-    assert model.tolerance([1]).loss == noise_cap(torch.float32)
-    assert model.tolerance([1]).gradients == 0, "the gradients were not part of it"
-    assert not loss_off(9e-7).differs(model.tolerance([1, 2]))
-    assert loss_off(2e-6).differs(model.tolerance([1, 2])), "above the cap: still evidence"
+def test_an_excused_rank_takes_differences_up_to_the_cap_in_the_kind_that_differed() -> None:
+    model = NoiseModel(cap=FP32)
+    model.excuse(LOSS, 1)
+    assert model.tolerances([1]) == [FP32, 0.0], "the gradients were not part of it"
+    assert not model.differs(LOSS, loss_off(9e-7), [1, 2])
+    assert model.differs(LOSS, loss_off(2e-6), [1, 2]), "above the cap: still evidence"

@@ -18,7 +18,7 @@ def spec(**kw: object) -> FaultSpec:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["nan", "inf", "bitflip", "relative"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "bitflip", "relative", "ulp"])
 def test_each_kind_changes_exactly_the_chosen_element(dtype: torch.dtype, kind: str) -> None:
     t = torch.full((5,), 4.0, dtype=dtype)
     corrupt_(t, spec(kind=kind, index=2, bit=3))
@@ -38,6 +38,16 @@ def test_relative_error_always_bites() -> None:
         before = t.clone()
         corrupt_(t, spec(kind="relative", index=None))
         assert (t != before).all()
+
+
+def test_ulp_moves_each_element_that_many_units_away_from_zero() -> None:
+    t = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
+    corrupt_(t, spec(kind="ulp", ulps=8, index=None))
+    # bf16 has 8 significant bits: one ulp of 1.0 is 2**-7.
+    assert t.tolist() == [1.0 + 8 * 2**-7, -2.0 - 8 * 2**-6, 0.5 + 8 * 2**-8]
+    assert parse_faults("rank=1,step=2,site=forward,kind=ulp,ulps=8")[0].ulps == 8
+    with pytest.raises(ConfigError, match="faults.ulps"):
+        spec(kind="ulp", ulps=0)
 
 
 def test_bitflip_sign_and_exponent() -> None:
