@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -150,8 +151,19 @@ class ReplayAudit:
         every: int,
         probability: float,
         calibrate: bool,
+        params: Sequence[nn.Parameter] | None = None,
+        grads_by_hook: bool = False,
+        replaying: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
+        """``params``, ``grads_by_hook`` and ``replaying`` come from a sharded layout
+        (:class:`~sdc_agent.layout_fsdp.FSDPLayout`): the parameters a replay computes
+        gradients for (FSDP2's unsharded ones, registered on the model only while
+        ``replaying()`` holds them unsharded; a collective every rank enters), and the
+        own local gradients arrive through :meth:`observe_gradient` rather than the
+        gradient buckets."""
         self.module = module
+        self.grads_by_hook = grads_by_hook
+        self._replaying = replaying if replaying is not None else contextlib.nullcontext
         self.loss_fn = loss_fn
         self.topology = topology
         self.group = group
@@ -166,7 +178,10 @@ class ReplayAudit:
         self.nodes = nodes
         self.replayer_of = plan_ring(nodes)
         self.partner_of = {r: p for p, r in self.replayer_of.items()}
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        # A sharded layout's unsharded parameters carry the module's names, in its order.
+        self.params = [
+            p for p in (module.parameters() if params is None else params) if p.requires_grad
+        ]
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         groups = layer_groups(names) if len(names) == len(self.params) else ()
         if not groups:
@@ -286,8 +301,8 @@ class ReplayAudit:
         # A copy: loops scale the loss tensor in place (the Trainer multiplies it by the
         # world size when averaging tokens across devices).
         self.own_loss = loss.detach().clone()
-        self._observe_later = self.due and not syncs
-        self._in_hook = self.due and syncs
+        self._observe_later = self.due and not syncs and not self.grads_by_hook
+        self._in_hook = self.due and (syncs or self.grads_by_hook)
         if loss.requires_grad:
             payload = self.payload
 
@@ -326,11 +341,19 @@ class ReplayAudit:
                 (p, (g.data_ptr() - base) // size, g.numel())
                 for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
             ]
-        if self.capturing_in_hook:
+        if self.capturing_in_hook and not self.grads_by_hook:
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 i = self.index_of.get(id(p))
                 if i is not None:
                     self._own.add(i, g)
+
+    def observe_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A sharded layout's local gradient of ``param`` (one of ``params``), complete,
+        before its collective: remembered while the audited micro-batch's backward runs."""
+        if self._in_hook:
+            i = self.index_of.get(id(param))
+            if i is not None:
+                self._own.add(i, grad)
 
     def observe_grads(self) -> None:
         """After the audited micro-batch's backward under ``no_sync`` (accumulation)."""
@@ -398,6 +421,10 @@ class ReplayAudit:
 
     def audit(self) -> AuditOutcome:
         """Compare this step's audited micro-batches across the ring. A collective."""
+        with self._replaying():
+            return self._audit()
+
+    def _audit(self) -> AuditOutcome:
         me = self.me
         assert self.payload is not None
         own = self.own_summary()
@@ -915,6 +942,12 @@ class ReplayAudit:
         Returns, per suspect that could be replayed, ``(non-finite elsewhere, non-finite
         again on the suspect)``: elsewhere too means the data or the model, not hardware.
         """
+        with self._replaying():
+            return self._replay_nonfinite(suspects, payload)
+
+    def _replay_nonfinite(
+        self, suspects: Sequence[int], payload: Payload | None
+    ) -> dict[int, tuple[bool, bool]]:
         me = self.me
         payload = self.payload if payload is None else payload
         targets = {p: self.replayer_of[p] for p in suspects if p in self.replayer_of}

@@ -34,28 +34,41 @@ class NonFiniteCheck(CheckUnit):
     name = "nonfinite"
 
     def __init__(
-        self, *, enabled: bool, topology: Topology, audit: ReplayAudit, scaled: bool
+        self,
+        *,
+        enabled: bool,
+        topology: Topology,
+        audit: ReplayAudit,
+        scaled: bool,
+        collective: str = "all-reduce",
     ) -> None:
         self.enabled = enabled
+        self.collective = collective
+        """The layout's gradient collective, as verdicts name it."""
         self.topology = topology
         self.audit = audit
         self.scaled = scaled
         """A GradScaler drives the steps: an overflow on every rank is its business."""
 
     def judge(
-        self, state: StepState, before: list[bool], late: LateMicroBatch | None = None
+        self,
+        state: StepState,
+        before: list[bool],
+        late: LateMicroBatch | None = None,
+        after: list[bool] | None = None,
     ) -> None:
         """The flags of ``state``'s step reached the host: ``before[r]``, rank ``r``'s
-        local gradients were not finite. A collective when one rank alone was (the
-        replay on another node). ``late``: the step's micro-batch, where its flags are
-        read during the next step (the audit holds that step's by then)."""
+        local gradients were not finite; ``after[r]`` (where the layout checks them), its
+        reduced gradients were not. A collective when one rank alone was (the replay on
+        another node). ``late``: the step's micro-batch, where its flags are read during
+        the next step (the audit holds that step's by then)."""
         if not self.enabled:
             return
-        finding = classify_nonfinite(before)
+        finding = classify_nonfinite(before, after, self.collective)
         if finding is None:
             return
         state.hold = True
-        verdict = self._verdict(state, finding, before, late)
+        verdict = self._verdict(state, finding, before, late, after)
         if verdict is not None:
             state.verdicts.append(verdict)
 
@@ -65,6 +78,7 @@ class NonFiniteCheck(CheckUnit):
         finding: NonFiniteFinding,
         before: list[bool],
         late: LateMicroBatch | None,
+        after: list[bool] | None = None,
     ) -> Verdict | None:
         topology = self.topology
         evidence: dict[str, Any] = {
@@ -72,6 +86,12 @@ class NonFiniteCheck(CheckUnit):
                 topology.global_rank(r) for r, bad in enumerate(before) if bad
             ]
         }
+        if after is not None:
+            # A sharded layout: each rank's reduced shard was checked too.
+            evidence["gradient_collective"] = self.collective
+            evidence["nonfinite_after_collective"] = [
+                topology.global_rank(r) for r, bad in enumerate(after) if bad
+            ]
         classification, suspects, localized, message = (
             finding.classification,
             finding.suspects,

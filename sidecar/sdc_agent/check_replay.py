@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .audit import AuditOutcome, ReplayAudit
@@ -98,6 +99,9 @@ class ReplayCheck(CheckUnit):
 
     def on_gradients(self, bucket: GradientBucket) -> None:
         self.audit.observe_bucket(bucket)  # type: ignore[arg-type]
+
+    def on_local_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self.audit.observe_gradient(param, grad)
 
     def before_step(self, state: StepState) -> None:
         self._note_availability()

@@ -75,6 +75,13 @@ class WeightCheck(CheckUnit):
                 "averaging steps, so check 3 would accuse every rank; set weights_every=0"
             )
 
+    def without_replicas(self) -> None:
+        """No rank holds a replica of another's weights (pure FSDP): nothing to compare,
+        so the check neither runs nor vouches for any step (the update check,
+        :mod:`sdc_agent.check_update`, stands in for it)."""
+        self.every = 0
+        self.vouches = False
+
     @property
     def blocks_clean(self) -> bool:
         return self.diverged
@@ -162,7 +169,25 @@ class WeightCheck(CheckUnit):
             evidence["differing_tensors"] = {
                 str(topology.global_rank(int(r))): names for r, names in differing.items()
             }
-        if split.localized:
+        classes = self.weights.replica_classes
+        # The ranks the suspects are compared with: every rank (DDP), or the replicas of
+        # the suspects' shards (HSDP).
+        peers = (
+            range(self.world_size)
+            if classes is None
+            else [
+                r
+                for r in range(self.world_size)
+                if classes[r] in {classes[s] for s in split.suspects}
+            ]
+        )
+        if split.localized and classes is not None:
+            replicas = sum(1 for c in classes if c == classes[split.suspects[0]])
+            message = (
+                f"weights of rank(s) {', '.join(map(str, suspects))} differ from the "
+                f"majority of the {replicas} replicas of their shard"
+            )
+        elif split.localized:
             message = (
                 f"weights of rank(s) {', '.join(map(str, suspects))} differ from the "
                 f"majority of {self.world_size} replicas"
@@ -173,9 +198,9 @@ class WeightCheck(CheckUnit):
                 f"{', '.join(map(str, suspects))}): cannot tell which is wrong"
             )
         # A strict majority on at least two other nodes is independent evidence.
-        majority_nodes = {
-            topology.node_of(r) for r in range(self.world_size) if r not in split.suspects
-        } - set(topology.nodes_of(split.suspects))
+        majority_nodes = {topology.node_of(r) for r in peers if r not in split.suspects} - set(
+            topology.nodes_of(split.suspects)
+        )
         return Verdict(
             check="weights",
             step=state.step,

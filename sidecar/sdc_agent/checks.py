@@ -73,6 +73,10 @@ class CheckUnit:
     def on_gradients(self, bucket: GradientBucket) -> None:
         """Local gradients, before their collective; no host read, no collective."""
 
+    def on_local_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One parameter's local gradient, complete, before its collective (sharded
+        layouts, :mod:`sdc_agent.layout_fsdp`); no host read, no collective."""
+
     def before_step(self, state: StepState) -> None:
         """After backward, before the optimizer step. May be a collective."""
 

@@ -31,6 +31,7 @@ from .fingerprint import Fingerprinter, format_fingerprint
 from .guard import Guard
 from .launch import spawn_local
 from .verdict import StepResult
+from .weights import local_tensor
 
 __all__ = ["Drill", "DrillRank", "make_batch", "make_model", "run_drill", "seed_noise"]
 
@@ -82,6 +83,12 @@ class Drill:
     """Run every forward under CPU autocast in bfloat16 (the loss in float32)."""
     noise_seed: int = 0
     """Seeds each process's noise generator (with its rank)."""
+    layout: str = "ddp"
+    """``ddp``; ``fsdp``: FSDP2 (``fully_shard`` per Linear, then the root) over a 1-D
+    mesh of every rank; ``hsdp``: the same over a 2-D mesh ``(replicate, shard)`` with
+    ``shard`` ranks per shard group (consecutive ranks)."""
+    shard: int = 2
+    """With ``layout="hsdp"``: the shard dimension's size."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -335,7 +342,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             forward_noise=drill.forward_noise,
         )
         loss_fn = bf16_mse_loss if drill.autocast else mse_loss
-        ddp = DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
+        ddp = _wrap(model, drill, world)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
         guard = (
@@ -366,7 +373,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 total = 0.0
                 for j, batch in enumerate(micro):
                     last = j == len(micro) - 1
-                    with contextlib.nullcontext() if last else ddp.no_sync():
+                    with contextlib.nullcontext() if last else _no_sync(ddp):
                         loss = loss_fn(ddp, batch)
                         (loss / len(micro) if len(micro) > 1 else loss).backward()
                     total += float(loss.item())
@@ -391,7 +398,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         seconds = time.perf_counter() - start
         if guard is not None:
             guard.close(timeout=5.0)
-        final = Fingerprinter("eager").many(list(model.parameters()))[0]
+        final = Fingerprinter("eager").many([local_tensor(p) for p in ddp.parameters()])[0]
         out.append(
             DrillRank(
                 rank=rank,
@@ -411,6 +418,50 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         )
         dist.barrier()
     return out
+
+
+_MESHES: dict[tuple[int, ...], Any] = {}
+
+
+def _wrap(model: nn.Module, drill: Drill, world: int) -> nn.Module:
+    if drill.layout == "ddp":
+        return DistributedDataParallel(model, bucket_cap_mb=drill.bucket_cap_mb)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if drill.layout == "fsdp":
+        shape: tuple[int, ...] = (world,)
+        names: tuple[str, ...] = ("shard",)
+    elif drill.layout == "hsdp":
+        if world % drill.shard:
+            raise ValueError(f"shard: {drill.shard} does not divide the world size {world}")
+        shape, names = (world // drill.shard, drill.shard), ("replicate", "shard")
+    else:
+        raise ValueError(f"layout: expected ddp, fsdp or hsdp, got {drill.layout!r}")
+    # One mesh per shape in a process: each init_device_mesh makes new process groups.
+    mesh = _MESHES.get(shape)
+    if mesh is None:
+        mesh = _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for sub in model.children():
+        if isinstance(sub, nn.Linear):
+            fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+
+    @contextlib.contextmanager
+    def quiet() -> Any:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    return quiet()
 
 
 def _low_level_step(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .errors import ConfigError
 from .faults import FaultInjector, FaultSpec, corrupt_
 
 __all__ = ["FaultSites"]
@@ -22,6 +23,8 @@ class FaultSites:
     def __init__(self, injector: FaultInjector, module: nn.Module) -> None:
         self.injector = injector
         self.module = module
+        self.optimizer: torch.optim.Optimizer | None = None
+        """Where ``weights`` faults aimed at ``name:state`` (optimizer state) go."""
         params = dict(module.named_parameters())
         self._grad_targets: dict[FaultSpec, nn.Parameter] = {
             spec: params[spec.target]
@@ -70,4 +73,16 @@ class FaultSites:
     def _weight_target(self, spec: FaultSpec) -> torch.Tensor:
         params = dict(self.module.named_parameters())
         name = spec.target if spec.target is not None else next(iter(params))
-        return params[name].data
+        name, _, key = name.partition(":")
+        tensor = params[name].data
+        if key:
+            state = {} if self.optimizer is None else self.optimizer.state.get(params[name], {})
+            if not isinstance(state.get(key), torch.Tensor):
+                raise ConfigError(
+                    f"faults.target: parameter {name!r} has no optimizer state {key!r} "
+                    f"(it has: {', '.join(sorted(map(str, state))) or 'none yet'})"
+                )
+            tensor = state[key]
+        # A sharded parameter (FSDP2's DTensor): this rank's shard.
+        to_local = getattr(tensor, "to_local", None)
+        return to_local() if callable(to_local) else tensor

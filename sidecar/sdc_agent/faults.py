@@ -70,9 +70,12 @@ class FaultSpec:
     """Flat element index in the tensor hit; ``None`` hits every element."""
     target: str | None = None
     """Parameter name (``grad_*``, ``weights``) or module name (``forward``) as given by
-    ``named_parameters()`` / ``named_modules()`` of the unwrapped model. Default: the
-    first gradient bucket for ``grad_*``, the first parameter for ``weights``, the first
-    leaf module for ``forward``."""
+    ``named_parameters()`` / ``named_modules()`` of the unwrapped model; for ``weights``,
+    ``name:state`` hits that parameter's optimizer state ``state`` (``0.weight:exp_avg``).
+    Default: the first gradient bucket for ``grad_*`` (FSDP2: the first parameter's
+    gradient for ``grad_local``, the first group's reduced shard for ``grad_reduced``),
+    the first parameter for ``weights``, the first leaf module for ``forward``. On a
+    sharded parameter, ``weights`` and ``index`` address this rank's shard."""
     bit: int = 30
     """Bit to flip for ``bitflip``, 0 = least significant; bit 30 of a float32 is the top
     exponent bit."""
@@ -250,8 +253,14 @@ class FaultInjector:
         params = dict(module.named_parameters())
         modules = dict(module.named_modules())
         for spec in self.specs:
-            if spec.site != "forward" and spec.target is not None and spec.target not in params:
-                raise ConfigError(f"faults.target: no parameter named {spec.target!r}")
+            # weights: "name:state" hits the optimizer state ``state`` of that parameter.
+            name = (
+                spec.target.partition(":")[0]
+                if spec.site == "weights" and spec.target
+                else spec.target
+            )
+            if spec.site != "forward" and name is not None and name not in params:
+                raise ConfigError(f"faults.target: no parameter named {name!r}")
             if spec.site != "forward":
                 continue
             name = spec.target if spec.target is not None else _first_leaf(module)

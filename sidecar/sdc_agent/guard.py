@@ -11,6 +11,7 @@ check units (:mod:`sdc_agent.checks`: check 1 :mod:`~sdc_agent.check_nonfinite`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -21,12 +22,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .audit import ReplayAudit, ReplayStats
 from .bundling import EvidenceKeeper
 from .check_nonfinite import LateMicroBatch, NonFiniteCheck
 from .check_replay import ReplayCheck
+from .check_update import UpdateCheck
 from .check_weights import WeightCheck
 from .checkpoint import mark_checkpoint
 from .checks import CheckUnit, StepState
@@ -35,7 +36,8 @@ from .config import GuardConfig
 from .errors import ConfigError, OperatorUnreachableError, SDCError
 from .fingerprint import Fingerprinter
 from .gate import StepGate
-from .layout import DDPLayout, GradientBucket
+from .layout import DDPLayout, GradientBucket, ParallelLayout
+from .layout_fsdp import FSDPLayout, is_fsdp
 from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
@@ -54,7 +56,7 @@ IDLE, STEP, DECIDED = "idle", "backward", "decided"
 
 
 class Guard:
-    """Runs the checks around every training step of a DDP model.
+    """Runs the checks around every training step of a DDP, FSDP2 or HSDP model.
 
     The shortest form does the whole step::
 
@@ -92,14 +94,16 @@ class Guard:
         scaler: Any = None,
     ) -> None:
         validate_arguments(model, optimizer, loss_fn, config, start_step, scaler)
-        assert isinstance(model, DistributedDataParallel)
         self._phase = IDLE
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scaler = scaler
         self.config = config if config is not None else GuardConfig.from_env()
-        self._layout = layout = DDPLayout(model, self.config)
+        self._layout = layout = _layout_of(model, self.config)
+        self.layout = layout.name
+        """``ddp``, ``fsdp`` (FSDP2 over one mesh dimension) or ``hsdp``."""
+        layout.faults.optimizer = optimizer
         self.group: dist.ProcessGroup | None = layout.group
         self.rank = layout.rank
         self.group_rank = layout.group_rank
@@ -108,7 +112,7 @@ class Guard:
         """The model's device: where the step's flags live (not the current CUDA device,
         which is ``cuda:0`` on every rank that never called ``set_device``)."""
         self.comm_device = layout.comm_device
-        ReplayCheck.refuse(model.module, self.config.replay_enabled)
+        ReplayCheck.refuse(layout.module, self.config.replay_enabled)
         WeightCheck.refuse(optimizer, self.config.weights_every)
 
         self._gate = StepGate(optimizer, lambda: self._phase)
@@ -169,6 +173,7 @@ class Guard:
             self.optimizer,
             self._fingerprinter,
             self.config.weights_include_optimizer_state,
+            layout.replica_classes,
         )
         self._warm_up(layout.module)
         self._injector = layout.injector
@@ -183,6 +188,9 @@ class Guard:
             every=self.config.replay_every,
             probability=self.config.replay_probability,
             calibrate=self.config.replay_mode == "calibrate",
+            params=layout.unsharded,
+            grads_by_hook=layout.grads_by_hook,
+            replaying=layout.replaying,
         )
         self._evidence = EvidenceKeeper(
             self.config.bundles, self.group, self.comm_device, self.group_rank
@@ -192,6 +200,7 @@ class Guard:
             topology=self.topology,
             audit=self._audit,
             scaled=self.scaler is not None,
+            collective=layout.collective,
         )
         self._replay = ReplayCheck(
             self._audit,
@@ -214,6 +223,22 @@ class Guard:
             seconds=self._seconds,
         )
         self._units: tuple[CheckUnit, ...] = (self._nonfinite, self._replay, self._weight_check)
+        self._update_check: UpdateCheck | None = None
+        classes = layout.replica_classes
+        if classes is not None and len(set(classes)) == len(classes):
+            # Pure FSDP: no shard has a replica, check 3 has nothing to compare; the update
+            # check recomputes a slice of every shard's update on two other nodes instead.
+            self._weight_check.without_replicas()
+            self._update_check = UpdateCheck(
+                module=layout.module,
+                optimizer=self.optimizer,
+                fingerprinter=self._fingerprinter,
+                every=self.config.weights_every,
+                topology=self.topology,
+                comm_device=self.comm_device,
+                seconds=self._seconds,
+            )
+            self._units += (self._update_check,)
 
     def _warm_up(self, module: nn.Module) -> None:
         if self.config.weights_every <= 0 and not self.config.replay_enabled:
@@ -268,7 +293,8 @@ class Guard:
     def weights_diverged(self) -> bool:
         """Set when check 3 failed: the replicas' weights differ, and no later step can
         be clean until the job restores a checkpoint (see :meth:`restore`)."""
-        return self._weight_check.diverged
+        update = self._update_check
+        return self._weight_check.diverged or (update is not None and update.diverged)
 
     # -- the shortest form ---------------------------------------------------------------
 
@@ -415,7 +441,8 @@ class Guard:
 
     def _read_flags(self) -> None:
         self._flags_read = True
-        before, halt = self._layout.flags.read()
+        host = self._layout.flags.to_host()
+        before, halt = host.read()
         if halt:
             self._phase = IDLE
             raise OperatorUnreachableError(
@@ -423,7 +450,7 @@ class Guard:
                 f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
                 "training here, before another step is applied"
             )
-        self._nonfinite.judge(self._state, before)
+        self._nonfinite.judge(self._state, before, after=host.after())
 
     def _flags_on_their_way(self) -> None:
         """The step's flags go to host memory without the host waiting for them; the next
@@ -456,7 +483,7 @@ class Guard:
             )
         known = len(late.state.verdicts)
         micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
-        self._nonfinite.judge(late.state, before, micro_batch)
+        self._nonfinite.judge(late.state, before, micro_batch, late.flags.after())
         found = late.state.verdicts[known:]
         self._resolved(late.state.step, "flags", passed=not found)
         if not found:
@@ -465,8 +492,22 @@ class Guard:
             late.state.verdicts[known:] = []
             self._state.late_verdicts.extend(found)  # logged and reported with this step's
             return
+        found = [self._located(v) for v in found]
         self._log_verdicts(late.state.step, found)
         self._reporting.report_verdicts(found)
+
+    def _located(self, verdict: Verdict) -> Verdict:
+        """The suspects' mesh coordinates in the evidence (sharded layouts): rank -> mesh
+        coordinates -> pod -> node, the operator reading the rest as before."""
+        layout = self._layout
+        if layout.mesh_coordinates(self.rank) is None or "mesh_coordinates" in verdict.evidence:
+            return verdict
+        evidence = dict(verdict.evidence)
+        evidence["layout"] = layout.name
+        evidence["mesh_coordinates"] = {
+            str(r): layout.mesh_coordinates(r) for r in verdict.suspect_ranks
+        }
+        return dataclasses.replace(verdict, evidence=evidence)
 
     def _resolved(self, step: int, what: str, *, passed: bool) -> None:
         self._clean.resolved(step, what, passed=passed)
@@ -505,6 +546,8 @@ class Guard:
         self._layout.faults.weights(applied)
         for unit in self._units:
             unit.after_step(state)
+        state.verdicts[:] = [self._located(v) for v in state.verdicts]
+        state.late_verdicts[:] = [self._located(v) for v in state.late_verdicts]
         verdicts = list(state.verdicts)
         blocking = [v for v in verdicts if v.classification != "nondeterministic"]
         if not blocking and not any(u.blocks_clean for u in self._units):
@@ -603,7 +646,7 @@ class Guard:
         late = self._late
         if late is not None:
             before, halt = late.flags.read()
-            if not any(before) and not halt:
+            if not any(before) and not any(late.flags.after() or ()) and not halt:
                 self._late = None
                 self._resolved(late.state.step, "flags", passed=True)
         self._weight_check.agree_pending()
@@ -623,6 +666,7 @@ class Guard:
             if settled is not None:
                 self._resolved(settled[0], "weights", passed=settled[1])
             if found:
+                found = [self._located(v) for v in found]
                 self._log_verdicts(found[0].step, found)
                 self._reporting.report_verdicts(found)
         self._layout.detach()
@@ -643,6 +687,15 @@ class Guard:
         for unit in self._units:
             unit.on_forward(self._state)
 
+    def local_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._phase == DECIDED:
+            raise SDCError(
+                "a backward pass after before_optimizer_step(): the step's checks have run; "
+                "call after_optimizer_step() first"
+            )
+        for unit in self._units:
+            unit.on_local_gradient(param, grad)
+
     def gradients_ready(self, bucket: GradientBucket) -> None:
         if self._phase == DECIDED:
             raise SDCError(
@@ -653,6 +706,12 @@ class Guard:
             self._layout.inject("grad_local", bucket, bucket.buffer())
         for unit in self._units:
             unit.on_gradients(bucket)
+
+
+def _layout_of(model: nn.Module, config: GuardConfig) -> ParallelLayout:
+    if is_fsdp(model):
+        return FSDPLayout(model, config)
+    return DDPLayout(model, config)
 
 
 @dataclass(slots=True)

@@ -8,10 +8,13 @@ it calls its :class:`Coordinator` (the :class:`~sdc_agent.Guard`) when a trainin
 begins and when a bucket of local gradients is ready, before its collective.
 
 :class:`DDPLayout` is the first adapter: one data-parallel group in which every rank is a
-replica, gradients in DDP's buckets, all-reduced through DDP's communication hook. A
-sharded layout (FSDP2, HSDP) implements the same surface: gradients it hands to
-``on_gradients`` as :class:`GradientBucket` views, its own :meth:`ParallelLayout.no_sync`
-and flags, and, for check 3, which ranks hold replicas of what.
+replica, gradients in DDP's buckets, all-reduced through DDP's communication hook.
+:class:`~sdc_agent.layout_fsdp.FSDPLayout` (FSDP2, HSDP) is the second: its parameter
+groups' reduce-scatter inputs as :class:`GradientBucket`, each parameter's local gradient
+through ``Coordinator.local_gradient``, its own :meth:`ParallelLayout.no_sync` and flags,
+for check 3 which ranks hold replicas of what (:attr:`ParallelLayout.replica_classes`),
+and for the replay audit the bracket that makes its parameters whole
+(:meth:`ParallelLayout.replaying`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class Coordinator(Protocol):
     def gradients_ready(self, bucket: GradientBucket) -> None:
         """A bucket of local gradients, before any fault site or collective touched it."""
 
+    def local_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One parameter's local gradient, complete, before its collective (a sharded
+        layout, whose buckets are not views of the parameters' gradients)."""
+
 
 class ParallelLayout(ABC):
     """One layout's answers (see the module docstring)."""
@@ -86,6 +93,7 @@ class ParallelLayout(ABC):
     flags_wanted: bool
     """Whether the flags travel at all (check 1 on, or the halt flag in use)."""
     faults: FaultSites
+    injector: FaultInjector
 
     @abstractmethod
     def attach(self, coordinator: Coordinator) -> None:
@@ -102,6 +110,29 @@ class ParallelLayout(ABC):
     @abstractmethod
     def syncs_gradients(self) -> bool:
         """The next backward runs the gradient collective."""
+
+    @abstractmethod
+    def inject(self, site: str, bucket: GradientBucket, tensor: torch.Tensor) -> None:
+        """The drill's faults of ``site`` into ``tensor`` (the bucket's buffer, or the
+        collective's result)."""
+
+    collective: str = "all-reduce"
+    """The gradient collective, as verdicts name it."""
+    replica_classes: tuple[int, ...] | None = None
+    """Check 3's classes of replicas, by group rank (:mod:`sdc_agent.weights`); ``None``:
+    every rank is a replica of every other."""
+    grads_by_hook = False
+    """The replay audit's own gradients come through ``Coordinator.local_gradient``."""
+    unsharded: list[nn.Parameter] | None = None
+    """The parameters a replay computes gradients for, where they are not the module's."""
+
+    def replaying(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around every replay of the audit (a collective where it gathers)."""
+        return contextlib.nullcontext()
+
+    def mesh_coordinates(self, rank: int) -> dict[str, int] | None:
+        """``rank``'s coordinates in the data-parallel mesh (``None``: no mesh)."""
+        return None
 
     def settle(self, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
         """Before the first step after a restore: whatever makes that step bitwise the

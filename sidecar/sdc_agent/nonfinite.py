@@ -42,10 +42,11 @@ class NonFiniteFinding:
 
 
 def classify_nonfinite(
-    before: Sequence[bool], after: Sequence[bool] | None = None
+    before: Sequence[bool], after: Sequence[bool] | None = None, collective: str = "all-reduce"
 ) -> NonFiniteFinding | None:
-    """Decide from each rank's flags (non-finite before / after the all-reduce; ``after``
-    only where the reduced gradients were checked)."""
+    """Decide from each rank's flags (non-finite before / after the gradient collective,
+    named ``collective`` in the message; ``after`` only where the reduced gradients were
+    checked)."""
     if after is None:
         after = [False] * len(before)
     if len(before) != len(after):
@@ -65,7 +66,7 @@ def classify_nonfinite(
             "rank",
             bad_before,
             True,
-            f"non-finite local gradients on {_ranks(bad_before)} only, before the all-reduce",
+            f"non-finite local gradients on {_ranks(bad_before)} only, before the {collective}",
         )
     if bad_after:
         every = len(bad_after) == world
@@ -74,7 +75,7 @@ def classify_nonfinite(
             "collective",
             () if every else bad_after,
             not every,
-            f"all-reduce inputs were finite but the reduced gradients on {where} were not",
+            f"{collective} inputs were finite but the reduced gradients on {where} were not",
         )
     return None
 
@@ -86,12 +87,17 @@ def _ranks(ranks: Sequence[int]) -> str:
 class StepFlags:
     """One step's check-1 flags on the device (see the module docstring)."""
 
-    def __init__(self, world: int, me: int, device: torch.device) -> None:
+    def __init__(self, world: int, me: int, device: torch.device, *, after: bool = False) -> None:
         self.world = world
         self.me = me
         self.device = device
         self.inv_world = torch.full((1,), 1.0 / world, dtype=torch.float32, device=device)
+        self.one = torch.ones(1, dtype=torch.float32, device=device)
         self.local = torch.zeros(1, dtype=torch.float32, device=device)
+        self.with_after = after
+        """A second slot per rank: its reduced gradients (after the collective) were not
+        finite (a sharded layout, whose reduced gradients are a shard: a small pass)."""
+        self.after_local = torch.zeros(1, dtype=torch.float32, device=device)
         self._sent: list[tuple[torch.Tensor, dist.Work]] = []
         self.halt = False
         # Two pinned host buffers, taken in turn: a step's flags may still be on their way
@@ -101,6 +107,7 @@ class StepFlags:
 
     def reset(self, *, halt: bool) -> None:
         self.local.zero_()
+        self.after_local.zero_()
         self._sent = []
         self.halt = halt
 
@@ -113,16 +120,27 @@ class StepFlags:
             # when the world size is not a power of two).
             buffer.mul_(1.0 / self.world)
 
+    def check(self, buffer: torch.Tensor, *, after: bool = False) -> None:
+        """Flag a non-finite element of ``buffer`` without changing it (the layout's
+        collective does its own scaling): the same kernel, multiplying by exactly 1."""
+        if buffer.is_floating_point() and not buffer.is_sparse and buffer.numel():
+            flag = self.after_local if after else self.local
+            torch._amp_foreach_non_finite_check_and_unscale_([buffer], flag, self.one)
+
     @property
     def sent(self) -> bool:
         return bool(self._sent)
 
     def send(self, group: dist.ProcessGroup | None) -> None:
         """Share this rank's flags with every rank (asynchronously). A collective."""
-        vector = torch.zeros(self.world + 1, dtype=torch.float32, device=self.device)
+        size = 2 * self.world + 1 if self.with_after else self.world + 1
+        vector = torch.zeros(size, dtype=torch.float32, device=self.device)
         vector[self.me : self.me + 1].copy_(self.local)
         if self.halt:
             vector[self.world] = 1.0
+        if self.with_after:
+            slot = self.world + 1 + self.me
+            vector[slot : slot + 1].copy_(self.after_local)
         work = dist.all_reduce(vector, group=group, async_op=True)
         assert work is not None
         self._sent.append((vector, work))
@@ -187,3 +205,13 @@ class HostFlags:
             self.event.synchronize()
         rows = self.host.numpy().tolist()
         return [v > 0 for v in rows[: self.world]], rows[self.world] > 0
+
+    def after(self) -> list[bool] | None:
+        """Non-finite after the gradient collective, by rank, where the layout checks the
+        reduced gradients (``None``: it does not). Call after :meth:`read`."""
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.host.numpy().tolist()
+        if len(rows) <= self.world + 1:
+            return None
+        return [v > 0 for v in rows[self.world + 1 : 2 * self.world + 1]]

@@ -29,10 +29,12 @@ def validate_arguments(
     scaler: object,
 ) -> None:
     """Refuse what a Guard cannot take, naming the argument."""
-    if not isinstance(model, DistributedDataParallel):
+    from .layout_fsdp import is_fsdp
+
+    if not isinstance(model, DistributedDataParallel) and not is_fsdp(model):
         raise ConfigError(
-            f"model: must be wrapped in torch.nn.parallel.DistributedDataParallel, "
-            f"got {type(model).__name__}"
+            f"model: must be wrapped in torch.nn.parallel.DistributedDataParallel or be an "
+            f"FSDP2 module (torch.distributed.fsdp.fully_shard), got {type(model).__name__}"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(

@@ -10,6 +10,12 @@ for on another device: a wrong one shows up in the weights at the next update an
 all state of optimizers that shard it across ranks (``ZeroRedundancyOptimizer``).
 Optimizers that keep replicas apart by design (``PostLocalSGDOptimizer`` averages them
 only every few steps) cannot be checked at all.
+
+Sharded layouts (HSDP) hold replicas of each shard, not of the model: ``replica_classes``
+gives each rank its shard's class, and each class is compared on its own (its ranks must
+agree bit for bit; ranks of different classes hold different numbers). Every rank gathers
+every rank's words in one all-gather, so every rank decides the same. A parameter (or
+optimizer state) that is a ``DTensor`` is compared by its local shard.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "WeightFingerprints",
     "keeps_replicas_apart",
     "replicated_state_keys",
+    "split_by_class",
     "split_majority",
 ]
 
@@ -123,6 +130,43 @@ def split_majority(values: Sequence[Hashable]) -> MajoritySplit | None:
     return MajoritySplit(outside, False, reference)
 
 
+def split_by_class(
+    values: Sequence[Hashable], classes: Sequence[int]
+) -> tuple[MajoritySplit, dict[int, int]] | None:
+    """:func:`split_majority` within each class of ranks (``classes[r]``: rank ``r``'s);
+    ``None`` when every class agrees. The split names the suspects of every class that
+    differs (ranks, not positions in the class), ``localized`` when each such class has a
+    strict majority; the dict maps each differing class to its majority's lowest rank
+    (absent: no majority)."""
+    members: dict[int, list[int]] = {}
+    for r, c in enumerate(classes):
+        members.setdefault(c, []).append(r)
+    suspects: list[int] = []
+    localized = True
+    references: dict[int, int] = {}
+    for c, ranks in members.items():
+        split = split_majority([values[r] for r in ranks])
+        if split is None:
+            continue
+        suspects.extend(ranks[i] for i in split.suspects)
+        localized = localized and split.localized
+        if split.reference is not None:
+            references[c] = ranks[split.reference]
+    if not suspects:
+        return None
+    reference = min(references.values()) if references else None
+    return MajoritySplit(tuple(sorted(suspects)), localized, reference), references
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (a view), any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local):
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
 class WeightFingerprints:
     """Fingerprints parameters (and optimizer state) and compares them across replicas."""
 
@@ -132,11 +176,16 @@ class WeightFingerprints:
         optimizer: torch.optim.Optimizer,
         fingerprinter: Fingerprinter,
         include_optimizer_state: bool,
+        replica_classes: Sequence[int] | None = None,
     ) -> None:
         self.module = module
+        self.replica_classes = None if replica_classes is None else tuple(replica_classes)
+        """Each rank's class of replicas (see the module docstring); ``None``: every rank
+        is a replica of every other (DDP)."""
         self.optimizer = optimizer
         self.fingerprinter = fingerprinter
         self._cache: tuple[tuple[int, int], list[str], list[torch.Tensor]] | None = None
+        self._sharded = False
         self._state_keys = replicated_state_keys(optimizer)
         if include_optimizer_state and _is_sharded(optimizer):
             warnings.warn(
@@ -156,7 +205,7 @@ class WeightFingerprints:
         """
         key = (id(self.optimizer.state), len(self.optimizer.state))
         if self._cache is not None and self._cache[0] == key:
-            return self._cache[1], self._cache[2]
+            return self._cache[1], self._locals(self._cache[2])
         names: list[str] = []
         tensors: list[torch.Tensor] = []
         keys = self._state_keys
@@ -173,7 +222,15 @@ class WeightFingerprints:
                     names.append(f"{name}:{k}")
                     tensors.append(value)
         self._cache = (key, names, tensors)
-        return names, tensors
+        self._sharded = any(hasattr(t, "to_local") for t in tensors)
+        return names, self._locals(tensors)
+
+    def _locals(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        # A DTensor's local shard is taken at each check (a view; cheap), never cached:
+        # what holds it may be replaced (a checkpoint load) while the DTensor stays.
+        if not self._sharded:
+            return tensors
+        return [local_tensor(t) for t in tensors]
 
     def compare(
         self, group: dist.ProcessGroup | None, device: torch.device
@@ -213,6 +270,8 @@ class WeightFingerprints:
     ) -> dict[str, list[str]]:
         # Compare against one majority replica's per-tensor fingerprints: broadcast them,
         # let every rank diff its own, gather the (short) lists of names.
+        if self.replica_classes is not None:
+            return self._differing_by_class(split, names, per_tensor, group, device)
         if split.reference is None:
             return {}
         # Replicas whose state holds different tensors cannot be compared tensor by tensor
@@ -235,6 +294,38 @@ class WeightFingerprints:
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
         return {str(r): [names[i] for i in gathered[r].tolist() if i >= 0] for r in split.suspects}
+
+    def _differing_by_class(
+        self,
+        split: MajoritySplit,
+        names: list[str],
+        per_tensor: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> dict[str, list[str]]:
+        # Each class has its own reference: gather every rank's per-tensor fingerprints
+        # (the slow path, after a mismatch), each suspect is diffed against its class's.
+        assert self.replica_classes is not None
+        classes = self.replica_classes
+        world = dist.get_world_size(group)
+        count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        if len(set(torch.cat(counts).tolist())) > 1:
+            return {}
+        mine = per_tensor.to(device).contiguous()
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        found = split_by_class([tuple(g.flatten().tolist()) for g in gathered], classes)
+        references = found[1] if found is not None else {}
+        out: dict[str, list[str]] = {}
+        for r in split.suspects:
+            ref = references.get(classes[r])
+            if ref is None:
+                continue
+            differs = (gathered[r] != gathered[ref]).any(dim=1).nonzero().flatten().tolist()
+            out[str(r)] = [names[i] for i in differs[:_EVIDENCE_MAX_TENSORS]]
+        return out
 
 
 class PendingComparison:
@@ -288,6 +379,9 @@ class PendingComparison:
     def agree(self) -> bool:
         """Wait for the words: whether every replica agrees. Not a collective (what
         :meth:`finish` adds on a mismatch is)."""
+        classes = self._weights.replica_classes
+        if classes is not None:
+            return split_by_class(self._read(), classes) is None
         return split_majority(self._read()) is None
 
     def finish(self) -> tuple[MajoritySplit | None, dict[str, object]]:
@@ -297,12 +391,27 @@ class PendingComparison:
         group must call it at the same point.
         """
         rows = self._read()
-        split = split_majority(rows)
+        classes = self._weights.replica_classes
+        if classes is None:
+            split = split_majority(rows)
+        else:
+            found = split_by_class(rows, classes)
+            split = None if found is None else found[0]
         if split is None:
             return None, {}
         evidence: dict[str, object] = {
             "groups": sorted(Counter(format_fingerprint(r) for r in rows).values(), reverse=True),
         }
+        if classes is not None:
+            evidence["groups"] = {
+                str(c): sorted(
+                    Counter(
+                        format_fingerprint(r) for r, k in zip(rows, classes, strict=True) if k == c
+                    ).values(),
+                    reverse=True,
+                )
+                for c in sorted(set(classes))
+            }
         if len(rows) <= _EVIDENCE_MAX_RANKS:
             evidence["fingerprints"] = [format_fingerprint(r) for r in rows]
         evidence["differing_tensors"] = self._weights._differing(

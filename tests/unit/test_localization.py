@@ -73,3 +73,22 @@ def test_topology_groups_ranks_by_node() -> None:
     assert [r.local_rank for r in t.ranks] == [0, 1, 0, 1, 0]
     assert t.local_world_size("n1") == 2
     assert t.nodes_of([3, 2, 4]) == ("n1", "n2")
+
+
+def test_split_by_class_compares_each_shard_across_its_replicas_only() -> None:
+    from sdc_agent.weights import split_by_class
+
+    # HSDP 3 x 2: ranks 0, 2, 4 hold replicas of shard 0; 1, 3, 5 of shard 1. Shards differ
+    # from each other by nature: that is no mismatch.
+    classes = [0, 1, 0, 1, 0, 1]
+    assert split_by_class(["a", "b", "a", "b", "a", "b"], classes) is None
+    found = split_by_class(["a", "b", "x", "b", "a", "b"], classes)
+    assert found is not None
+    split, references = found
+    assert (split.suspects, split.localized, references) == ((2,), True, {0: 0})
+    # Two replicas of a shard cannot name the wrong one.
+    found = split_by_class(["a", "b", "x", "b"], [0, 1, 0, 1])
+    assert found is not None
+    assert (found[0].suspects, found[0].localized) == ((0, 2), False)
+    # Pure FSDP: every rank its own class, nothing is ever compared.
+    assert split_by_class(["a", "b", "c"], [0, 1, 2]) is None
