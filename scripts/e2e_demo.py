@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,11 +171,15 @@ class OperatorProcess:
         log: Path,
         tls: tuple[Path, Path, Path],
         extra_env: dict[str, str],
+        before_start: Callable[[str], None],
     ) -> None:
+        """``before_start``: called with the admission URL before the operator starts (it
+        does not start without its creator check registered)."""
         port, admission, metrics = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{port}"
         self.admission_url = f"https://127.0.0.1:{admission}"
         self.metrics_url = f"https://127.0.0.1:{metrics}"
+        before_start(self.admission_url)
         ca, cert, key = tls
         env = {
             **os.environ,
@@ -1096,8 +1101,13 @@ def main() -> int:
         admit_namespace(server)
         trainer = training_operator(server, base)
         tls = ca_and_certificate(base / "tls", "operator")
-        op = OperatorProcess(server, base / "operator.log", tls, sagemaker.env())
-        register_webhook(server, op.admission_url, tls[0])
+        op = OperatorProcess(
+            server,
+            base / "operator.log",
+            tls,
+            sagemaker.env(),
+            lambda url: register_webhook(server, url, tls[0]),
+        )
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
         say(
             f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '

@@ -22,6 +22,7 @@ from . import jobwatch, retention  # noqa: F401  (jobwatch registers the job wat
 from .attestation import AttestationKey, load_key
 from .auth import Authenticator, StaticTokens, TokenReviewer
 from .caches import Caches
+from .creator_check import verify_installed
 from .engine import IncidentEngine
 from .errors import ApiError, OperatorError
 from .heartbeats import Heartbeats
@@ -168,6 +169,19 @@ class Operator:
                     raise  # refused (RBAC, a bad key): retrying will not help
                 log.warning("%s; trying again in 2 s", exc)
                 await asyncio.sleep(2)
+        if s.require_attestation:
+            # The marker is believed only because the API server refuses it from anyone
+            # else: without that check, do not start (a tenant could mark its own pods).
+            while True:
+                try:
+                    found = await verify_installed(self.records, s.creator_check)
+                    break
+                except ApiError as exc:
+                    if 0 < exc.status < 500:
+                        raise
+                    log.warning("looking for the creator check: %s; again in 2 s", exc)
+                    await asyncio.sleep(2)
+            log.info("creator check: %s", found)
         self.caches.start()
         resolver = InstanceResolver(_sagemaker_factory(s), cluster_name=s.cluster_name)
         self.intake = Intake(

@@ -29,6 +29,7 @@ AUTH_MODES = ("tokenreview", "static")
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 REMEDIATION_POLICIES = ("manual", "auto-replace-confirmed", "auto-reboot", "auto-replace")
 REMEDIATION_METHODS = ("api", "label")
+CREATOR_CHECKS = ("any", "policy", "webhook", "unchecked")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +145,15 @@ class OperatorSettings:
     trusted pod creator (the webhook writes it, the API server's validating check keeps it
     true). ``false`` only for clusters that run without the webhook: any user who may
     create pods in an admitted namespace can then point one at a job."""
+    creator_check: str = "any"
+    """What keeps the creator marker true, looked for at start-up where attestation is
+    required (:mod:`.creator_check`): ``policy``, a ``ValidatingAdmissionPolicy`` and its
+    ``Deny`` binding (Kubernetes 1.30+); ``webhook``, a ``ValidatingWebhookConfiguration``
+    sending pods and ``pods/status`` to ``/v1/admission/pods/creator`` with
+    ``failurePolicy: Fail``; ``any``, either. The operator does not start where none is
+    installed: without one, anyone who may create pods can mark its own pods as a training
+    operator's, and their verdicts quarantine nodes. ``unchecked`` skips the look, only
+    where other admission control enforces the same rule (and in tests)."""
     legacy_attestation_until: str = ""
     """An RFC 3339 time (``2027-01-31T00:00:00Z``): until then, a pod created before it
     that carries only the ``v2`` HMAC attestation of an earlier version is believed too,
@@ -263,6 +273,7 @@ class OperatorSettings:
         for name, choices in (
             ("remediation_policy", REMEDIATION_POLICIES),
             ("remediation_method", REMEDIATION_METHODS),
+            ("creator_check", CREATOR_CHECKS),
         ):
             if getattr(self, name) not in choices:
                 raise bad(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

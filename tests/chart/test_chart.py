@@ -412,6 +412,61 @@ def test_the_creator_check_refuses_the_marker_from_anyone_but_a_trusted_creator(
     )
 
 
+def test_the_operator_finds_the_creator_check_the_chart_installs() -> None:
+    """What the operator looks for at start-up (sdc_operator.creator_check) is what the
+    chart renders, in both variants, and the deployment tells it which; a check that
+    misses pods/status, fails open or has no Deny binding is not one."""
+    import copy
+
+    from sdc_operator.creator_check import policy_problem, webhook_problem
+
+    def env_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        (deployment,) = by_kind(docs, "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    docs = render({"webhook": {"creatorCheck": "policy"}})
+    (policy,) = by_kind(docs, "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert policy_problem([policy], [binding]) is None
+    assert env_of(docs)["HYPERPOD_SDC_CREATOR_CHECK"] == "policy"
+    assert "no binding" in str(policy_problem([policy], []))
+    audit = copy.deepcopy(binding)
+    audit["spec"]["validationActions"] = ["Audit"]
+    assert "no binding" in str(policy_problem([policy], [audit]))
+    docs = render({"webhook": {"creatorCheck": "webhook"}})
+    (hook,) = by_kind(docs, "ValidatingWebhookConfiguration")
+    assert webhook_problem([hook]) is None
+    assert env_of(docs)["HYPERPOD_SDC_CREATOR_CHECK"] == "webhook"
+    (rule,) = hook["webhooks"][0]["rules"]
+    assert rule["resources"] == ["pods", "pods/status"]
+    for broken, said in (
+        ({"rules": [{**rule, "resources": ["pods"]}]}, "does not send CREATE pods/status"),
+        ({"failurePolicy": "Ignore"}, "failurePolicy Ignore"),
+    ):
+        bad = copy.deepcopy(hook)
+        bad["webhooks"][0].update(broken)
+        assert said in str(webhook_problem([bad]))
+    (mutating,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert "no ValidatingWebhookConfiguration" in str(webhook_problem([mutating]))
+    # no webhook, no check: the operator looks for either, and does not start without
+    off = render({"webhook": {"enabled": False}, "networkPolicy": {"enabled": False}})
+    assert env_of(off)["HYPERPOD_SDC_CREATOR_CHECK"] == "any"
+    (role,) = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "hyperpod-sdc"]
+    admission = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
+    assert admission == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": [
+                "validatingwebhookconfigurations",
+                "validatingadmissionpolicies",
+                "validatingadmissionpolicybindings",
+            ],
+            "verbs": ["list"],
+        }
+    ]
+
+
 def test_the_optional_policy_is_valid_and_off_by_default() -> None:
     import jsonschema
 

@@ -75,8 +75,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class Fatal(AssertionError):
+    """Raised by a function :func:`wait_for` polls: no use waiting longer (the process
+    being waited for exited)."""
+
+
 def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 20.0) -> T:
-    """Poll ``fn`` until it returns something truthy."""
+    """Poll ``fn`` until it returns something truthy (or raises :class:`Fatal`)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -84,6 +89,8 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 20.0) -> T:
             value = fn()
             if value:
                 return value
+        except Fatal:
+            raise
         except Exception as exc:  # retried until the deadline
             last = exc
         time.sleep(0.1)
@@ -377,6 +384,9 @@ class OperatorProcess:
             # The tests share one API server and leave quarantined nodes behind: only the
             # tests of the cap itself set one.
             "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",
+            # The tests mark their pods as the training operator would, and register the
+            # creator check only where they test it (test_forged_review, test_creator_check).
+            "HYPERPOD_SDC_CREATOR_CHECK": "unchecked",
             # Every test's agents post from 127.0.0.1, where in a cluster each pod has an
             # address of its own: only the tests of the per-source bound set one.
             "HYPERPOD_SDC_CONNECTIONS_PER_SOURCE": "100000",
@@ -385,6 +395,7 @@ class OperatorProcess:
             **(extra_env or {}),
         }
         self.log_path = log_path
+        self.before_start()
         self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module],
@@ -394,9 +405,13 @@ class OperatorProcess:
         )
         wait_for("the operator's intake", self._ready, timeout=60)
 
+    def before_start(self) -> None:
+        """Called once the ports are chosen, before the process starts (a subclass
+        registers what must exist before the operator starts)."""
+
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
+            raise Fatal(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
         try:
             with urllib.request.urlopen(
                 f"{self.metrics_url}/readyz", timeout=1, context=self._context

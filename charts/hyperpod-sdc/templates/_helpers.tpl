@@ -151,11 +151,13 @@ webhooks:
       {{- if $.caBundle }}
       caBundle: {{ $.caBundle | b64enc }}
       {{- end }}
+    # pods/status too: a status update can write a pod's labels (on this project's 1.20
+    # test API server it does), so it could add the marker
     rules:
       - operations: [CREATE, UPDATE]
         apiGroups: [""]
         apiVersions: [v1]
-        resources: [pods]
+        resources: [pods, pods/status]
         scope: Namespaced
     namespaceSelector:
       {{- include "hyperpod-sdc.creatorNamespaces" $root | nindent 6 }}
