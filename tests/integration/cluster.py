@@ -403,7 +403,11 @@ class OperatorProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        wait_for("the operator's intake", self._ready, timeout=60)
+        try:
+            wait_for("the operator's intake", self._ready, timeout=60)
+        except BaseException:
+            self.stop()  # nobody else will: its log file must not be left open
+            raise
 
     def before_start(self) -> None:
         """Called once the ports are chosen, before the process starts (a subclass
