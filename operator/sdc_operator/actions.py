@@ -725,9 +725,18 @@ class Actions:
             if is_conflict(exc):
                 pod = await self.kube.get("v1", "pods", namespace, name)
                 owners = [r.get("uid") for r in pod["metadata"].get("ownerReferences") or []]
-                ours = incident["metadata"].get("uid") in owners
-                if not ours or not confirmation.same_pod_spec(pod, body):
-                    message = f"a pod named {name} exists and is not this incident's"
+                differs: str | None = None
+                if incident["metadata"].get("uid") not in owners:
+                    differs = "it is not owned by this incident"
+                else:  # compare it with ours as the API server would store it
+                    unnamed = {k: v for k, v in body["metadata"].items() if k != "name"}
+                    unnamed["generateName"] = f"{name[:50]}-"
+                    as_created = await self.kube.create(
+                        "v1", "pods", namespace, {**body, "metadata": unnamed}, dry_run=True
+                    )
+                    differs = confirmation.pod_difference(pod, as_created, node)
+                if differs is not None:
+                    message = f"a pod named {name} exists and is not this incident's: {differs}"
                     return self._not_confirmable("NameTaken", message, node, bundle)
                 how = "found (created before a restart or by the other replica)"
             elif 400 <= exc.status < 500 and exc.status != 429:

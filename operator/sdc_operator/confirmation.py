@@ -55,7 +55,7 @@ __all__ = [
     "pod_name",
     "record",
     "running_record",
-    "same_pod_spec",
+    "pod_difference",
     "training_template",
 ]
 
@@ -347,20 +347,32 @@ def running_record(
     return record
 
 
-def same_pod_spec(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
-    """A pod found under our name is the one we would create: its containers run the same
-    images, commands and arguments, pinned to the same node. An owner reference alone
-    proves nothing (anyone who may create pods there can write one)."""
-
-    def shape(pod: Mapping[str, Any]) -> Any:
-        spec = pod.get("spec") or {}
-        containers = [
-            (c.get("name"), c.get("image"), c.get("command"), c.get("args"))
-            for c in spec.get("containers") or []
-        ]
-        return containers, spec.get("affinity")
-
-    return bool(shape(found) == shape(wanted))
+def pod_difference(
+    found: Mapping[str, Any], as_created: Mapping[str, Any], node: str
+) -> str | None:
+    """What makes a pod found under our name other than the one we would create, or
+    ``None``. ``as_created``: our pod as the API server would store it (a dry-run create:
+    its defaults and admission applied), so the whole spec is compared, not only the
+    containers' images and commands: env, volumes, security contexts, service account,
+    tolerations, resources. Only ``nodeName`` may differ, where the scheduler set it to
+    ``node``. Labels, annotations and owners must be ours too. An owner reference alone
+    proves nothing (anyone who may create pods there can write one), and the name is no
+    secret (the incident's uid is readable by the tenant)."""
+    spec = dict(found.get("spec") or {})
+    wanted = dict(as_created.get("spec") or {})
+    if spec.get("nodeName") not in (None, "", node):
+        return f"it runs on node {spec.get('nodeName')}, not {node}"
+    if not wanted.get("nodeName"):
+        spec.pop("nodeName", None)
+        wanted.pop("nodeName", None)
+    for key in sorted(set(spec) | set(wanted)):
+        if spec.get(key) != wanted.get(key):
+            return f"its spec.{key} is not ours"
+    meta, ours = found.get("metadata") or {}, as_created.get("metadata") or {}
+    for key in ("labels", "annotations", "ownerReferences"):
+        if (meta.get(key) or None) != (ours.get(key) or None):
+            return f"its metadata.{key} are not ours"
+    return None
 
 
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:

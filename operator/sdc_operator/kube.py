@@ -291,10 +291,22 @@ class Kube:
                 return items
 
     async def create(
-        self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        body: dict[str, Any],
+        *,
+        dry_run: bool = False,
     ) -> dict[str, Any]:
+        """Create ``body``; with ``dry_run``, only what the API server would store (its
+        defaults and admission applied), nothing stored."""
         return await self.request(
-            "POST", object_path(api_version, plural, namespace), resource=plural, body=body
+            "POST",
+            object_path(api_version, plural, namespace),
+            resource=plural,
+            body=body,
+            params={"dryRun": "All"} if dry_run else None,
         )
 
     async def replace(

@@ -233,6 +233,55 @@ def test_confirmed_once_across_a_restart_and_recorded(
     assert len(pods_for(cluster, namespace, "train")) == 1
 
 
+def test_a_tenants_look_alike_pod_under_our_name_is_not_adopted(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    checkpoints: Path,
+) -> None:
+    """With the operator down, a tenant deletes the confirmation pod and makes one of its
+    name: owned by the incident, the same images, command, arguments and node, and one
+    more env variable (the emulated broken GPU, so that it "reproduces" the fault and
+    exits 3: confirmed, and under auto-replace-confirmed the node is replaced). The
+    restarted operator, finding the create refused (409), compares the whole spec with
+    its own as the API server would store it: ``Confirmed=Unknown`` (``NameTaken``), and
+    the pod's exit is never read. (Comparing images, commands and arguments only, as
+    before, adopted it.)"""
+    job = make_job(cluster, namespace)
+    with_volume(cluster, job, checkpoints)
+    op = start_operator()
+    contain(cluster, op, job, bundle_in(checkpoints))
+    pod = one_pod(cluster, namespace, "train")
+    op.kill()
+    meta = pod["metadata"]
+    cluster.core.delete_namespaced_pod(meta["name"], namespace, grace_period_seconds=0)
+    wait_for("the pod gone", lambda: not pods_for(cluster, namespace, "train"))
+    spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
+    spec["containers"][0]["env"].append({"name": "HYPERPOD_SDC_FAULTS", "value": FAULT})
+    keep = ("name", "labels", "annotations", "ownerReferences")
+    body = {"metadata": {k: meta[k] for k in keep if k in meta}, "spec": spec}
+    cluster.core.create_namespaced_pod(namespace, body)
+    incident = incident_of(cluster, namespace, "train")
+    assert incident is not None
+    entry = next(a for a in incident["status"]["actions"] if a["action"] == "confirm-node")
+    entry["result"] = "Pending"
+    incident["status"].pop("confirmation")
+    cluster.custom.replace_namespaced_custom_object_status(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        namespace,
+        "sdcincidents",
+        incident["metadata"]["name"],
+        incident,
+    )
+    start_operator()
+    incident = confirmed(cluster, namespace, "train")
+    status_, reason, message = condition(incident)
+    assert (status_, reason) == ("Unknown", "NameTaken"), message
+    assert "spec.containers is not ours" in message, message
+    assert "podUid" not in incident["status"]["confirmation"]
+
+
 def test_auto_replace_confirmed_replaces_only_the_confirmed_node(
     cluster: Cluster,
     namespace: str,

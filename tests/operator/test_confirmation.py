@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -473,7 +474,12 @@ class _Kube:
     async def get_object(self, *_: Any) -> dict[str, Any]:
         return job()
 
-    async def create(self, _v: str, _p: str, _ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(
+        self, _v: str, _p: str, _ns: str, body: dict[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        if dry_run:  # as the API server would store it: here, as sent, with a name
+            meta = {k: v for k, v in body["metadata"].items() if k != "generateName"}
+            return {**copy.deepcopy(body), "metadata": {**meta, "name": "generated"}}
         if self.error is not None:
             raise self.error
         self.created.append(body)
@@ -507,22 +513,35 @@ def test_the_pod_is_created_once_and_a_conflict_finds_it_or_says_whose_it_is() -
     assert made.result == "Succeeded" and made.condition[:3] == ("Confirmed", "Unknown", "Running")
     assert made.fields["confirmation"]["outcome"] == "running" and len(kube.created) == 1
     body = kube.created[0]
-    ours = {
-        **body,
-        "metadata": {"name": "x", "uid": "u-1", "ownerReferences": [{"uid": "inc-uid"}]},
-    }
+    ours = copy.deepcopy(body)
+    ours["metadata"].update(uid="u-1")
+    ours["spec"]["nodeName"] = "node-b"  # the scheduler put it there
     found = start(_Kube(ApiError(409, "exists"), ours))
     assert found.result == "Succeeded" and found.message.startswith("found")
     assert found.fields["confirmation"]["podUid"] == "u-1"  # the result is read from it only
-    theirs = {**body, "metadata": {"name": "x", "ownerReferences": [{"uid": "someone"}]}}
-    # a tenant's pod of our name, owned by the incident (its uid is no secret), that runs
-    # another image: not ours either
-    other = copy.deepcopy(ours)
-    other["spec"]["containers"][0]["image"] = "tenant.example.com/says-confirmed:1"
-    for pod in (theirs, other):
+    theirs = copy.deepcopy(ours)
+    theirs["metadata"]["ownerReferences"] = [{"uid": "someone"}]
+    # a tenant's pod of our name, owned by the incident (its uid is no secret), that
+    # differs anywhere that matters: not ours either
+    container = ours["spec"]["containers"][0]
+    changes: list[tuple[Callable[[dict[str, Any]], Any], str]] = [
+        (lambda p: p["spec"]["containers"][0].update(image="tenant.example/yes:1"), "containers"),
+        (lambda p: p["spec"]["containers"][0]["env"].append({"name": "X", "value": "1"}), ""),
+        (lambda p: p["spec"]["containers"][0].update(envFrom=[{"secretRef": {"name": "s"}}]), ""),
+        (lambda p: p["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), ""),
+        (lambda p: p["spec"].update(securityContext={"runAsUser": 0}), "securityContext"),
+        (lambda p: p["spec"].update(serviceAccountName="tenant-admin"), "serviceAccountName"),
+        (lambda p: p["spec"].update(initContainers=[container]), "initContainers"),
+        (lambda p: p["spec"].update(nodeName="node-c"), "node node-c"),
+        (lambda p: p["metadata"]["labels"].update({"training.kubeflow.org/x": "y"}), "labels"),
+    ]
+    for change, said in [(lambda p: None, "owned"), *changes]:
+        pod = copy.deepcopy(theirs if said == "owned" else ours)
+        change(pod)
         taken = start(_Kube(ApiError(409, "exists"), pod))
-        assert (taken.result, taken.reason) == ("Skipped", "NameTaken")
+        assert (taken.result, taken.reason) == ("Skipped", "NameTaken"), said
         assert taken.fields["confirmation"]["outcome"] == "unknown"
+        assert said in taken.message, taken.message
     refused = start(_Kube(ApiError(403, "forbidden: pods create")))
     assert (refused.result, refused.condition[2]) == ("Skipped", "CouldNotCreate")
     with pytest.raises(ApiError):  # a server error is retried: the action stays Pending
