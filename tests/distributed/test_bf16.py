@@ -30,7 +30,7 @@ EVERY = 5
 CONFIG = {"replay_every": EVERY, "weights_every": EVERY, "fingerprint_backend": "eager"}
 FORWARD = {"forward_noise": 0.01}
 BACKWARD = {"grad_noise": True, "grad_noise_fraction": 0.1, "grad_noise_ulps": 4}
-NOISE = {"forward": FORWARD, "backward": BACKWARD}
+NOISE: dict[str, dict[str, Any]] = {"forward": FORWARD, "backward": BACKWARD}
 FAULTS = {
     "ulp8": {"kind": "ulp", "ulps": 8},
     "rel1e-3": {"kind": "relative", "relative_error": 1e-3},
