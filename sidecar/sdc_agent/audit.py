@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import random
 import warnings
@@ -46,10 +45,12 @@ from .replay import (
     judge,
     loss_bits,
     map_tensors,
+    pack,
     plan_ring,
     replay_complete,
     resolve,
     storm_threshold,
+    unpack,
 )
 from .topology import Topology
 
@@ -122,17 +123,6 @@ class _Collector:
             stats=tuple((float(a), float(b)) for a, b in stat_rows),
             nonfinite=bool(bad.item()),
         )
-
-
-def _pack(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes) -> Any:
-    # Only ever from another rank of the same job, which runs the same code.
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 class ReplayAudit:
@@ -430,7 +420,7 @@ class ReplayAudit:
         own = self.own_summary()
         sends = {}
         if me in self.replayer_of:
-            sends = {self.replayer_of[me]: _pack((self.payload.to_bytes(), own))}
+            sends = {self.replayer_of[me]: pack((self.payload.to_bytes(), own))}
         partner = self.partner_of.get(me)
         received = exchange(
             sends, [partner] if partner is not None else [], self.group, self.comm_device
@@ -443,7 +433,7 @@ class ReplayAudit:
         replayed: Summary | None = None
         partner_own: Summary | None = None
         if partner is not None:
-            raw, partner_own = _unpack(received[partner])
+            raw, partner_own = unpack(received[partner])
             partner_payload = Payload.from_bytes(raw)
             replayed = self._recompute(partner_payload)
             c = self.compare(partner_own, replayed)
@@ -882,7 +872,7 @@ class ReplayAudit:
             if me == t:
                 sources.update((q, ring[q]))
         received = exchange(
-            {d: _pack(items) for d, items in sends.items()},
+            {d: pack(items) for d, items in sends.items()},
             sorted(sources),
             self.group,
             self.comm_device,
@@ -890,7 +880,7 @@ class ReplayAudit:
         works: dict[int, tuple[Payload, Summary]] = {}
         replays: dict[int, Summary] = {}
         for data in received.values():
-            for item in _unpack(data):
+            for item in unpack(data):
                 if item[0] == "work":
                     works[item[1]] = (Payload.from_bytes(item[2]), item[3])
                 else:

@@ -34,7 +34,6 @@ shard's parameters, gradients and state, sent to two ranks, and two recomputatio
 from __future__ import annotations
 
 import inspect
-import io
 import time
 import warnings
 from typing import Any
@@ -45,7 +44,7 @@ from torch import nn
 
 from .checks import CheckUnit, StepState
 from .fingerprint import Fingerprinter
-from .replay import exchange, plan_ring
+from .replay import exchange, pack, plan_ring, unpack
 from .topology import Topology
 from .verdict import Verdict
 from .weights import local_tensor
@@ -56,17 +55,6 @@ UPDATE_SLICES = 4
 """Slices per shard: every element is recomputed once every this many checks."""
 
 _ELEMENTWISE = ("Adam", "AdamW", "SGD")
-
-
-def _pack(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes) -> Any:
-    # Only ever from another rank of the same job, which runs the same code.
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 class UpdateCheck(CheckUnit):
@@ -262,16 +250,16 @@ class UpdateCheck(CheckUnit):
         owners = {r: p for p, r in ring.items()}
         a = owners.get(me)  # I recompute a's slice first
         b = owners.get(a) if a is not None else None  # and b's second
-        blob = _pack(snapshot)
+        blob = pack(snapshot)
         sends = {d: blob for d in (first, second) if d is not None and d != me}
         sources = [s for s in (a, b) if s is not None and s != me]
         received = exchange(sends, sources, None, self.comm_device)
         row = torch.full((6,), -1, dtype=torch.int64)
         row[0:2] = self._own(snapshot["slice"])
         if a is not None and a in received:
-            row[2:4] = self._recompute(_unpack(received[a]))
+            row[2:4] = self._recompute(unpack(received[a]))
         if b is not None and b in received:
-            row[4:6] = self._recompute(_unpack(received[b]))
+            row[4:6] = self._recompute(unpack(received[b]))
         mine = row.to(self.comm_device)
         table = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(table, mine)

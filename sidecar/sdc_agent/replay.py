@@ -46,11 +46,13 @@ __all__ = [
     "forbid_collectives",
     "judge",
     "map_tensors",
+    "pack",
     "plan_ring",
     "replay",
     "replay_complete",
     "resolve",
     "storm_threshold",
+    "unpack",
 ]
 
 # -- the ring ------------------------------------------------------------------------------
@@ -487,6 +489,19 @@ def exchange(
     }
     _p2p(data_out, data_in, glob, group)
     return {s: bytes(t.cpu().numpy().tobytes()) for s, t in data_in.items()}
+
+
+def pack(obj: Any) -> bytes:
+    """``obj`` as bytes for :func:`exchange`."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """What :func:`pack` packed."""
+    # Only ever from another rank of the same job, which runs the same code.
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _p2p(

@@ -277,10 +277,7 @@ class WeightFingerprints:
         # Replicas whose state holds different tensors cannot be compared tensor by tensor
         # (and a broadcast of different shapes would hang): check the counts first.
         world = dist.get_world_size(group)
-        count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
-        counts = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=group)
-        if len(set(torch.cat(counts).tolist())) > 1:
+        if not _counts_agree(per_tensor, world, group, device):
             return {}
         reference = per_tensor.to(device).clone()
         dist.broadcast(
@@ -308,10 +305,7 @@ class WeightFingerprints:
         assert self.replica_classes is not None
         classes = self.replica_classes
         world = dist.get_world_size(group)
-        count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
-        counts = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=group)
-        if len(set(torch.cat(counts).tolist())) > 1:
+        if not _counts_agree(per_tensor, world, group, device):
             return {}
         mine = per_tensor.to(device).contiguous()
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -326,6 +320,19 @@ class WeightFingerprints:
             differs = (gathered[r] != gathered[ref]).any(dim=1).nonzero().flatten().tolist()
             out[str(r)] = [names[i] for i in differs[:_EVIDENCE_MAX_TENSORS]]
         return out
+
+
+def _counts_agree(
+    per_tensor: torch.Tensor,
+    world: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> bool:
+    """Whether every rank fingerprinted as many tensors as this one."""
+    count = torch.tensor([per_tensor.shape[0]], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    return len(set(torch.cat(counts).tolist())) == 1
 
 
 class PendingComparison:

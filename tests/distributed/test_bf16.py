@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.drill import Drill, DrillRank, run_drill
+from sdc_agent.drill import Drill, DrillRank
 from sdc_agent.faults import FaultSpec
+
+from .drills import accusations, agreed, run_scenarios
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -68,20 +70,7 @@ SCENARIOS["transient_one_ulp"] = Drill(
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[DrillRank]]:
-    names = list(SCENARIOS)
-    out = run_drill(NODES, [SCENARIOS[n] for n in names])
-    return dict(zip(names, out, strict=True))
-
-
-def agreed(ranks: list[DrillRank]) -> DrillRank:
-    for r in ranks[1:]:
-        assert r.verdicts == ranks[0].verdicts, "ranks disagree on the verdicts"
-        assert r.applied == ranks[0].applied
-    return ranks[0]
-
-
-def accusations(r: DrillRank) -> list[dict[str, Any]]:
-    return [v for v in r.verdicts if v["suspect_ranks"]]
+    return run_scenarios(NODES, SCENARIOS)
 
 
 @pytest.mark.parametrize("noise", list(NOISE))

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.drill import Drill, DrillRank, run_drill
+from sdc_agent.drill import Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 from sdc_agent.launch import spawn_local
+
+from . import drills
 
 pytestmark = pytest.mark.distributed
 
@@ -117,17 +119,13 @@ EXPECTED: dict[str, dict[str, Expected]] = {
 @pytest.fixture(scope="module", params=["hsdp", "fsdp"])
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     layout = request.param
-    drills = scenarios(layout)
-    results = run_drill(NODES, list(drills.values()))
-    return layout, dict(zip(drills, results, strict=True))
+    return layout, drills.run_scenarios(NODES, scenarios(layout))
 
 
 def agreed(ranks: list[DrillRank]) -> DrillRank:
-    for r in ranks[1:]:
-        assert r.verdicts == ranks[0].verdicts, "ranks disagree on the verdicts"
-        assert r.applied == ranks[0].applied, "ranks disagree on which steps were applied"
-        assert r.last_clean_step == ranks[0].last_clean_step
-    return ranks[0]
+    r = drills.agreed(ranks)
+    assert all(o.last_clean_step == r.last_clean_step for o in ranks[1:])
+    return r
 
 
 def mesh_coordinates(layout: str, rank: int) -> dict[str, int]:

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.drill import Drill, DrillRank, run_drill
+from sdc_agent.drill import Drill, DrillRank
 from sdc_agent.faults import FaultSpec
+
+from .drills import accusations, agreed, run_scenarios
 
 # slow: long runs under emulated noise (setup about 90 s on 2 cores). timing: detection
 # under noise is probabilistic; each test states its odds where it asserts them.
@@ -100,20 +102,7 @@ SCENARIOS: dict[str, Drill] = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[DrillRank]]:
-    names = list(SCENARIOS)
-    out = run_drill(NODES, [SCENARIOS[n] for n in names])
-    return dict(zip(names, out, strict=True))
-
-
-def agreed(ranks: list[DrillRank]) -> DrillRank:
-    for r in ranks[1:]:
-        assert r.verdicts == ranks[0].verdicts, "ranks disagree on the verdicts"
-        assert r.applied == ranks[0].applied
-    return ranks[0]
-
-
-def accusations(r: DrillRank) -> list[dict[str, Any]]:
-    return [v for v in r.verdicts if v["suspect_ranks"]]
+    return run_scenarios(NODES, SCENARIOS)
 
 
 def test_run_to_run_noise_accuses_nobody_and_drops_no_step(

@@ -13,6 +13,8 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank, run_drill
 from sdc_agent.faults import FaultSpec
 
+from .drills import agreed
+
 # slow: several worlds of replay audits (about 100 s each on 2 cores)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -82,13 +84,6 @@ def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank
         names.remove("clean")  # 200 audited steps once is enough
     results = run_drill(WORLDS[request.param], [SCENARIOS[n] for n in names])
     return request.param, dict(zip(names, results, strict=True))
-
-
-def agreed(ranks: list[DrillRank]) -> DrillRank:
-    for r in ranks[1:]:
-        assert r.verdicts == ranks[0].verdicts, "ranks disagree on the verdicts"
-        assert r.applied == ranks[0].applied
-    return ranks[0]
 
 
 def first_verdict(ranks: list[DrillRank]) -> dict[str, Any]:

@@ -134,6 +134,25 @@ def one_pod(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
     )
 
 
+def confirmation_forgotten(cluster: Cluster, namespace: str, job: str) -> None:
+    """The incident's confirm-node action set back to Pending and its result removed: what a
+    crash between creating the pod and recording the result leaves."""
+    incident = incident_of(cluster, namespace, job)
+    assert incident is not None
+    status = incident["status"]
+    entry = next(a for a in status["actions"] if a["action"] == "confirm-node")
+    entry["result"] = "Pending"
+    status.pop("confirmation")
+    cluster.custom.replace_namespaced_custom_object_status(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        namespace,
+        "sdcincidents",
+        incident["metadata"]["name"],
+        incident,
+    )
+
+
 def events(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in cluster.events(namespace) if e["reason"] == reason]
 
@@ -163,20 +182,7 @@ def test_confirmed_once_across_a_restart_and_recorded(
     # The operator dies after creating the pod; its successor finds the action recorded
     # Pending (as if the result had never been written) and the pod already there.
     op.kill()
-    incident = incident_of(cluster, namespace, "train")
-    assert incident is not None
-    status = incident["status"]
-    entry = next(a for a in status["actions"] if a["action"] == "confirm-node")
-    entry["result"] = "Pending"
-    status.pop("confirmation")
-    cluster.custom.replace_namespaced_custom_object_status(
-        "hyperpod-sdc.dev",
-        "v1alpha1",
-        namespace,
-        "sdcincidents",
-        incident["metadata"]["name"],
-        incident,
-    )
+    confirmation_forgotten(cluster, namespace, "train")
     op = start_operator()
     wait_for(
         "the action verified",
@@ -261,19 +267,7 @@ def test_a_tenants_look_alike_pod_under_our_name_is_not_adopted(
     keep = ("name", "labels", "annotations", "ownerReferences")
     body = {"metadata": {k: meta[k] for k in keep if k in meta}, "spec": spec}
     cluster.core.create_namespaced_pod(namespace, body)
-    incident = incident_of(cluster, namespace, "train")
-    assert incident is not None
-    entry = next(a for a in incident["status"]["actions"] if a["action"] == "confirm-node")
-    entry["result"] = "Pending"
-    incident["status"].pop("confirmation")
-    cluster.custom.replace_namespaced_custom_object_status(
-        "hyperpod-sdc.dev",
-        "v1alpha1",
-        namespace,
-        "sdcincidents",
-        incident["metadata"]["name"],
-        incident,
-    )
+    confirmation_forgotten(cluster, namespace, "train")
     start_operator()
     incident = confirmed(cluster, namespace, "train")
     status_, reason, message = condition(incident)
