@@ -9,6 +9,7 @@ fields it does not know, so it cannot catch a misspelt or misplaced key. Custom 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+@functools.cache  # parsing the CRDs' YAML (the PyTorchJob CRD is large) costs about 2 s
 def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> the openAPIV3Schema of every CRD the tests know."""
+    """(apiVersion, kind) -> the openAPIV3Schema of every CRD the tests know (read once per
+    process: the CRD files do not change during a run, and nothing writes to the result)."""
     schemas = {}
     for path in [*CRD_DIR.glob("*.yaml"), *(ROOT / "crds").glob("*.yaml")]:
         for crd in yaml.safe_load_all(path.read_text()):
