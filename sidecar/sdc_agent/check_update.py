@@ -7,9 +7,9 @@ reaches no other rank, and no comparison of replicas can see it. What this check
 instead, every ``weights_every`` steps (check 3's interval):
 
 - before the optimizer step, each rank copies one slice of its shard: for every parameter,
-  slice ``j`` of ``UPDATE_SLICES`` of its local elements (the parameter, its gradient, its
-  optimizer state), ``j`` rotating with each check, so every element of every shard is
-  recomputed once every ``UPDATE_SLICES`` checks;
+  slice ``j`` of ``slices`` (the ``update_slices`` setting, default 4) of its local
+  elements (the parameter, its gradient, its optimizer state), ``j`` rotating with each
+  check, so every element of every shard is recomputed once every ``slices`` checks;
 - after the step, the two ranks after it in the replay ring (on two other nodes) apply the
   same optimizer, with the same hyperparameters and step count, to that copy; the owner
   fingerprints its slice as its own step left it, and one all-gather compares the three;
@@ -24,10 +24,10 @@ is applied before the check sees it: a wrong update is named at its step and, as
 diverged replicas, no later step is clean until the job restores a checkpoint.
 
 Coverage, exactly: a wrong update at a check step, in the slice that check recomputes
-(deterministic: which slice is ``(step // weights_every) % UPDATE_SLICES``). Not seen: a wrong
+(deterministic: which slice is ``(step // weights_every) % slices``). Not seen: a wrong
 update at a step between checks, or at a check step outside its slice (a persistent fault in
-the update is seen within ``UPDATE_SLICES`` checks); weights corrupted between updates (they
-are recomputed from as they are). Cost per check: a copy of ``1 / UPDATE_SLICES`` of the
+the update is seen within ``slices`` checks); weights corrupted between updates (they
+are recomputed from as they are). Cost per check: a copy of ``1 / slices`` of the
 shard's parameters, gradients and state, sent to two ranks, and two recomputations of it.
 """
 
@@ -49,10 +49,7 @@ from .topology import Topology
 from .verdict import Verdict
 from .weights import local_tensor
 
-__all__ = ["UPDATE_SLICES", "UpdateCheck"]
-
-UPDATE_SLICES = 4
-"""Slices per shard: every element is recomputed once every this many checks."""
+__all__ = ["UpdateCheck"]
 
 _ELEMENTWISE = ("Adam", "AdamW", "SGD")
 
@@ -70,6 +67,7 @@ class UpdateCheck(CheckUnit):
         optimizer: torch.optim.Optimizer,
         fingerprinter: Fingerprinter,
         every: int,
+        slices: int,
         topology: Topology,
         comm_device: torch.device,
         seconds: dict[str, float],
@@ -78,6 +76,7 @@ class UpdateCheck(CheckUnit):
         self.optimizer = optimizer
         self.fingerprinter = fingerprinter
         self.every = every
+        self.slices = slices
         self.topology = topology
         self.comm_device = comm_device
         self._seconds = seconds
@@ -121,7 +120,7 @@ class UpdateCheck(CheckUnit):
         return self.every > 0 and step % self.every == 0
 
     def slice_of(self, step: int) -> int:
-        return (step // self.every) % UPDATE_SLICES
+        return (step // self.every) % self.slices
 
     def before_step(self, state: StepState) -> None:
         self._snapshot = None
@@ -166,9 +165,8 @@ class UpdateCheck(CheckUnit):
             out.append((name, p, group_of[id(p)]))
         return out
 
-    @staticmethod
-    def _span(n: int, j: int) -> slice:
-        chunk = -(-n // UPDATE_SLICES)
+    def _span(self, n: int, j: int) -> slice:
+        chunk = -(-n // self.slices)
         return slice(min(n, j * chunk), min(n, (j + 1) * chunk))
 
     def _copy(self, j: int) -> dict[str, Any]:
@@ -305,10 +303,10 @@ class UpdateCheck(CheckUnit):
         ordered = tuple(sorted(suspects))
         names = ", ".join(str(self.topology.global_rank(r)) for r in ordered)
         message = (
-            f"the optimizer update of slice {j} of {UPDATE_SLICES} of every shard, recomputed "
+            f"the optimizer update of slice {j} of {self.slices} of every shard, recomputed "
             f"on two other nodes, names rank(s) {names}"
             if localized
-            else f"the optimizer update of slice {j} of {UPDATE_SLICES} gave three different "
+            else f"the optimizer update of slice {j} of {self.slices} gave three different "
             f"results (ranks {names}): cannot tell which is wrong"
         )
         return Verdict(
@@ -320,9 +318,7 @@ class UpdateCheck(CheckUnit):
             localized=localized,
             last_clean_step=state.last_clean_step,
             message=message,
-            evidence={
-                "update_check": {"slice": j, "slices": UPDATE_SLICES, "mismatches": evidence}
-            },
+            evidence={"update_check": {"slice": j, "slices": self.slices, "mismatches": evidence}},
             corroborated=localized,
         )
 

@@ -31,6 +31,7 @@ __all__ = ["AGREED_FIELDS", "ENV_PREFIX", "GuardConfig", "KNOWN_ENV"]
 NONFINITE_CHECK_ENV = "HYPERPOD_SDC_NONFINITE_CHECK"
 WEIGHTS_EVERY_ENV = "HYPERPOD_SDC_WEIGHTS_EVERY"
 WEIGHTS_OPTIMIZER_STATE_ENV = "HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE"
+UPDATE_SLICES_ENV = "HYPERPOD_SDC_UPDATE_SLICES"
 FINGERPRINT_BACKEND_ENV = "HYPERPOD_SDC_FINGERPRINT_BACKEND"
 FAULTS_ENV = "HYPERPOD_SDC_FAULTS"
 REPLAY_EVERY_ENV = "HYPERPOD_SDC_REPLAY_EVERY"
@@ -48,6 +49,7 @@ _ENV_OF_FIELD = {
     "nonfinite_check": NONFINITE_CHECK_ENV,
     "weights_every": WEIGHTS_EVERY_ENV,
     "weights_include_optimizer_state": WEIGHTS_OPTIMIZER_STATE_ENV,
+    "update_slices": UPDATE_SLICES_ENV,
     "fingerprint_backend": FINGERPRINT_BACKEND_ENV,
     "faults": FAULTS_ENV,
     "replay_every": REPLAY_EVERY_ENV,
@@ -67,6 +69,7 @@ AGREED_FIELDS: tuple[str, ...] = (
     "nonfinite_check",
     "weights_every",
     "weights_include_optimizer_state",
+    "update_slices",
     "replay_every",
     "replay_probability",
     "replay_mode",
@@ -128,6 +131,15 @@ class GuardConfig:
     """Also fingerprint the optimizer's state tensors (Adam's moments), which must be
     identical across replicas too (env ``HYPERPOD_SDC_WEIGHTS_OPTIMIZER_STATE``). Roughly
     triples the check's cost with Adam."""
+
+    update_slices: int = 4
+    """Pure FSDP only (no shard has a replica, so check 3 has nothing to compare): the
+    update check that stands in for it recomputes, every ``weights_every`` steps, slice
+    ``(step // weights_every) % update_slices`` of every shard's optimizer update on two
+    other nodes (env ``HYPERPOD_SDC_UPDATE_SLICES``; see :mod:`sdc_agent.check_update`).
+    Every element is recomputed once every ``update_slices`` checks; each check copies
+    ``1 / update_slices`` of the shard's parameters, gradients and optimizer state to two
+    ranks and recomputes it there. ``1`` recomputes the whole update at every check."""
 
     fingerprint_backend: str = "auto"
     """``auto`` (a built kernel: portable C on CPU, ``torch.compile`` on CUDA; eager, with
@@ -200,6 +212,7 @@ class GuardConfig:
         require_bool("nonfinite_check", self.nonfinite_check)
         require_int("weights_every", self.weights_every, minimum=0, hint=" (0 turns it off)")
         require_bool("weights_include_optimizer_state", self.weights_include_optimizer_state)
+        require_int("update_slices", self.update_slices, minimum=1, hint=" (1: the whole update)")
         require_int("replay_every", self.replay_every, minimum=0, hint=" (0 turns it off)")
         require_number("replay_probability", self.replay_probability, minimum=0, maximum=1)
         require_choice("replay_mode", self.replay_mode, REPLAY_MODES)
@@ -266,6 +279,8 @@ class GuardConfig:
             values["weights_include_optimizer_state"] = _parse_bool(
                 WEIGHTS_OPTIMIZER_STATE_ENV, raw
             )
+        if (raw := env.get(UPDATE_SLICES_ENV)) is not None:
+            values["update_slices"] = _parse_int(UPDATE_SLICES_ENV, raw)
         if (raw := env.get(REPLAY_EVERY_ENV)) is not None:
             values["replay_every"] = _parse_int(REPLAY_EVERY_ENV, raw)
         if (raw := env.get(REPLAY_PROBABILITY_ENV)) is not None:

@@ -234,6 +234,7 @@ class Guard:
                 optimizer=self.optimizer,
                 fingerprinter=self._fingerprinter,
                 every=self.config.weights_every,
+                slices=self.config.update_slices,
                 topology=self.topology,
                 comm_device=self.comm_device,
                 seconds=self._seconds,

@@ -56,7 +56,7 @@ def scenarios(layout: str) -> dict[str, Drill]:
     # Faults in the weights or optimizer state after the update: HSDP's check 3 compares
     # each shard across its replicas; pure FSDP's update check recomputes slice
     # (step // weights_every) % 4 of every shard on two other nodes (element 0 is in
-    # slice 0: steps 4, 8, ... at weights_every=1).
+    # slice 0: steps 4, 8, ... at weights_every=1 and the default update_slices=4).
     out |= {
         "weights_bitflip": drill(
             steps=6, faults=(fault(2, 4, "weights", "bitflip", bit=9),), config=EVERY_STEP
@@ -68,6 +68,13 @@ def scenarios(layout: str) -> dict[str, Drill]:
         ),
         "weights_outside_the_slice": drill(
             steps=6, faults=(fault(2, 5, "weights", "bitflip", bit=9),), config=EVERY_STEP
+        ),
+        # The same wrong update at step 5 with update_slices=1: every check recomputes the
+        # whole update, so it is named at its step.
+        "weights_whole_update": drill(
+            steps=6,
+            faults=(fault(2, 5, "weights", "bitflip", bit=9),),
+            config={**EVERY_STEP, "update_slices": 1},
         ),
         "weights_persistent": drill(
             steps=10,
@@ -97,6 +104,7 @@ EXPECTED: dict[str, dict[str, Expected]] = {
         "weights_bitflip": ("weights", 4, "replica", (2,), None),
         "optimizer_state_bitflip": ("weights", 4, "replica", (4,), None),
         "weights_outside_the_slice": ("weights", 5, "replica", (2,), None),
+        "weights_whole_update": ("weights", 5, "replica", (2,), None),
         "weights_persistent": ("weights", 5, "replica", (1,), None),
         "weights_between_checks": ("weights", 8, "replica", (5,), None),
     },
@@ -110,6 +118,8 @@ EXPECTED: dict[str, dict[str, Expected]] = {
         # round again (step 8); a weight corrupted between checks is recomputed from as it
         # is (missed).
         "weights_outside_the_slice": None,
+        # update_slices=1: the whole update at every check, so the same fault is named.
+        "weights_whole_update": ("weights", 5, "rank", (2,), None),
         "weights_persistent": ("weights", 8, "rank", (1,), None),
         "weights_between_checks": None,
     },
@@ -190,6 +200,24 @@ def test_fault_is_caught_at_its_step_and_rank(
         assert v["localized"] and v["corroborated"]
         assert r.last_clean_step[-1] < step
     assert all(x["step"] >= step for x in r.verdicts)
+
+
+def test_the_update_check_recomputes_the_slice_its_setting_says(
+    world: tuple[str, dict[str, list[DrillRank]]],
+) -> None:
+    layout, results = world
+    if layout != "fsdp":
+        pytest.skip("HSDP compares replicas: update_slices applies to pure FSDP only")
+    v = agreed(results["weights_bitflip"]).verdicts[0]
+    assert v["evidence"]["update_check"]["slices"] == 4
+    assert v["evidence"]["update_check"]["slice"] == 0  # (step 4 // 1) % 4
+    assert "slice 0 of 4" in v["message"]
+    whole = agreed(results["weights_whole_update"]).verdicts[0]
+    assert (
+        whole["evidence"]["update_check"]["slice"],
+        whole["evidence"]["update_check"]["slices"],
+    ) == (0, 1)
+    assert "slice 0 of 1" in whole["message"]
 
 
 def test_what_check_one_says_about_a_sharded_collective(

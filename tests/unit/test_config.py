@@ -32,6 +32,12 @@ def test_env_then_keywords() -> None:
     assert c.fingerprint_backend == "eager" and c.node_name == "hyperpod-i-0123"
     assert c.faults == (FaultSpec(rank=1, step=2, site="weights", kind="nan"),)
     assert GuardConfig.from_env(env, weights_every=7).weights_every == 7
+    assert GuardConfig().update_slices == 4
+    assert GuardConfig.from_env({"HYPERPOD_SDC_UPDATE_SLICES": "2"}).update_slices == 2
+    assert (
+        GuardConfig.from_env({"HYPERPOD_SDC_UPDATE_SLICES": "2"}, update_slices=1).update_slices
+        == 1
+    )
 
 
 def test_unknown_setting_is_named() -> None:
@@ -51,6 +57,8 @@ def test_unknown_setting_is_named() -> None:
         ({"fingerprint_backend": "fast"}, "fingerprint_backend"),
         ({"faults": ["rank=1"]}, "faults"),
         ({"node_name": ""}, "node_name"),
+        ({"update_slices": 0}, "update_slices"),
+        ({"update_slices": 1.5}, "update_slices"),
     ],
 )
 def test_bad_values_name_the_setting(kw: dict[str, object], field: str) -> None:
@@ -66,6 +74,8 @@ def test_bad_values_name_the_setting(kw: dict[str, object], field: str) -> None:
         ({"HYPERPOD_SDC_NONFINITE_CHECK": "perhaps"}, "HYPERPOD_SDC_NONFINITE_CHECK"),
         ({"HYPERPOD_SDC_FINGERPRINT_BACKEND": "gpu"}, "HYPERPOD_SDC_FINGERPRINT_BACKEND"),
         ({"HYPERPOD_SDC_FAULTS": "rank=1"}, "HYPERPOD_SDC_FAULTS"),
+        ({"HYPERPOD_SDC_UPDATE_SLICES": "four"}, "HYPERPOD_SDC_UPDATE_SLICES"),
+        ({"HYPERPOD_SDC_UPDATE_SLICES": "0"}, "HYPERPOD_SDC_UPDATE_SLICES"),
     ],
 )
 def test_bad_environment_names_the_variable(env: dict[str, str], name: str) -> None:
