@@ -731,9 +731,7 @@ class Actions:
                 else:  # compare it with ours as the API server would store it
                     unnamed = {k: v for k, v in body["metadata"].items() if k != "name"}
                     unnamed["generateName"] = f"{name[:50]}-"
-                    as_created = await self.kube.create(
-                        "v1", "pods", namespace, {**body, "metadata": unnamed}, dry_run=True
-                    )
+                    as_created = await self.effects.pod_as_stored({**body, "metadata": unnamed})
                     differs = confirmation.pod_difference(pod, as_created, node)
                 if differs is not None:
                     message = f"a pod named {name} exists and is not this incident's: {differs}"

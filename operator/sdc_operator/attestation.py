@@ -226,16 +226,21 @@ class AttestationKey:
 class _Secrets(Protocol):
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> Any: ...
 
-    async def create(
-        self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]
-    ) -> Any: ...
+
+class _CreateOnce(Protocol):
+    async def create_once(
+        self, api_version: str, plural: str, namespace: str, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]: ...
 
 
-async def load_key(kube: _Secrets, namespace: str, secret: str) -> AttestationKey:
+async def load_key(
+    kube: _Secrets, effects: _CreateOnce, namespace: str, secret: str
+) -> AttestationKey:
     """The key in the Secret ``secret`` (key ``key``) of ``namespace``; the first replica
-    to find it missing creates it with :data:`KEY_BYTES` random bytes (a replica that
-    loses that race reads the winner's)."""
-    from .kube import is_conflict, is_not_found
+    to find it missing creates it with :data:`KEY_BYTES` random bytes through ``effects``
+    (:meth:`.effects.Effects.create_once`: a replica that loses that race reads the
+    winner's)."""
+    from .kube import is_not_found
 
     try:
         found = await kube.get("v1", "secrets", namespace, secret)
@@ -256,14 +261,13 @@ async def load_key(kube: _Secrets, namespace: str, secret: str) -> AttestationKe
             "data": {"key": base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()},
         }
         try:
-            found = await kube.create("v1", "secrets", namespace, body)
-            log.info("created the attestation key Secret %s/%s", namespace, secret)
+            found, made = await effects.create_once("v1", "secrets", namespace, body)
         except Exception as exc2:
-            if not is_conflict(exc2):
-                raise OperatorError(
-                    f"cannot create the attestation key Secret {namespace}/{secret}: {exc2}"
-                ) from exc2
-            found = await kube.get("v1", "secrets", namespace, secret)
+            raise OperatorError(
+                f"cannot create the attestation key Secret {namespace}/{secret}: {exc2}"
+            ) from exc2
+        if made:
+            log.info("created the attestation key Secret %s/%s", namespace, secret)
     raw = ((found or {}).get("data") or {}).get("key") or ""
     try:
         value = base64.b64decode(raw, validate=True)

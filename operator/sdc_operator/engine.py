@@ -666,12 +666,12 @@ class IncidentEngine:
         namespace, name = str(meta.get("namespace", "")), str(meta["name"])
         uid = uid or str(meta.get("uid") or "")
         try:
-            await self.effects.delete_pod(namespace, name, uid)
+            found = await self.effects.delete_pod(namespace, name, uid)
         except ApiError as exc:
-            if is_conflict(exc):
-                log.info("confirmation pod %s/%s was replaced since; left alone", namespace, name)
-            elif not is_not_found(exc):
-                log.warning("could not delete confirmation pod %s/%s: %s", namespace, name, exc)
+            log.warning("could not delete confirmation pod %s/%s: %s", namespace, name, exc)
+            return
+        if found == "replaced":
+            log.info("confirmation pod %s/%s was replaced since; left alone", namespace, name)
 
     async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:
         phase, value, reason, message = summary

@@ -129,6 +129,7 @@ class Operator:
             registry=self.metrics.registry,
             serving=self.serving,
             caches=self.caches,
+            effects=self.engine.recorded,
         )
 
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
@@ -161,7 +162,9 @@ class Operator:
         s = self.settings
         while True:
             try:
-                self.key = await load_key(self.records, s.namespace, s.attestation_secret)
+                self.key = await load_key(
+                    self.records, self.engine.recorded, s.namespace, s.attestation_secret
+                )
                 break
             except OperatorError as exc:
                 cause = exc.__cause__
@@ -316,11 +319,18 @@ class Operator:
                 "the job runs unobserved (agents crashed, or cannot reach the operator)"
             )
             log.warning("job %s/%s: %s", beats.job.namespace, beats.job.name, message)
-            await self.engine.effects.emit(job, "SDCAgentsSilent", message, True)
+            # one Event per silence (a job may fall silent again later)
+            await self.engine.effects.emit(
+                job, "SDCAgentsSilent", message, True, occurrence=f"after {beats.last:.3f}"
+            )
         for beats in came:
             job = self._job_body(beats.job)
             await self.engine.effects.emit(
-                job, "SDCAgentsReporting", "heartbeats arrive again", False
+                job,
+                "SDCAgentsReporting",
+                "heartbeats arrive again",
+                False,
+                occurrence=f"at {beats.last:.3f}",
             )
 
     def _running(self, ref: Any) -> bool:

@@ -2,9 +2,11 @@
 limited, and the pods that missed the webhook counted.
 
 kopf's ``on.event`` watches of ``PyTorchJob`` and ``HyperPodPyTorchJob`` (no finalizer and
-nothing of kopf's written onto the jobs) feed :class:`JobWatch`; a periodic sweep lists each
-opted-in job's pods. Writes (ConfigMaps, Events) are the leader's only; both replicas
-answer admission requests.
+nothing of kopf's written onto the jobs) feed :class:`JobWatch`; a periodic sweep counts each
+opted-in job's pods, read from the operator's pod cache (a LIST only for a namespace the
+cache does not watch). Writes (ConfigMaps, Events) are the leader's only, through
+:class:`~.effects.Effects` (an Event says a thing once, even across restarts); both
+replicas answer admission requests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import kopf
 from prometheus_client import CollectorRegistry, Gauge
 
 from . import jobs
+from .caches import Caches
+from .effects import Effects
 from .injection import INJECTION_ANNOTATION, label_selector_string, matches_any
 from .jobshape import audit_limits
 from .kube import Kube
@@ -61,6 +65,8 @@ class JobWatch:
     def __init__(
         self,
         kube: Kube,
+        effects: Effects,
+        caches: Caches | None,
         lookups: AdmissionLookups,
         publisher: CaPublisher | None,
         selectors: Sequence[dict[str, Any]],
@@ -68,6 +74,8 @@ class JobWatch:
         leader: Callable[[], bool],
     ) -> None:
         self.kube = kube
+        self.effects = effects
+        self.caches = caches
         self.lookups = lookups
         self.publisher = publisher
         self.selectors = list(selectors)
@@ -96,10 +104,11 @@ class JobWatch:
             await self.publisher.ensure(namespace)
         limits = audit_limits(job)
         if limits and not known.told_limits:
-            await self.kube.emit_event(
+            await self.effects.emit(
                 job,
                 "SDCAuditLimited",
                 f"hyperpod-sdc guards this job with limits: {'; and '.join(limits)}.",
+                True,
             )
             known.told_limits = True
 
@@ -138,26 +147,36 @@ class JobWatch:
         if not admission.admitted:
             self.unguarded.labels(namespace, name).set(0)
             return  # not wired on purpose; the intake refuses its reports and says why
-        pods: dict[str, dict[str, Any]] = {}
-        for selector in self.selectors:
-            for pod in await self.kube.list_all(
-                "v1", "pods", namespace, label_selector=label_selector_string(selector)
-            ):
-                pods[pod["metadata"]["name"]] = pod
-        missed = unguarded_pods(list(pods.values()), str(meta["uid"]), self.selectors)
+        missed = unguarded_pods(
+            await self._pods(namespace, str(meta["uid"])), str(meta["uid"]), self.selectors
+        )
         self.unguarded.labels(namespace, name).set(len(missed))
         new = frozenset(missed) - known.told_unguarded
         known.told_unguarded = frozenset(missed)
         if new:
             shown = ", ".join(sorted(new)[:10]) + (" ..." if len(new) > 10 else "")
-            await self.kube.emit_event(
+            await self.effects.emit(
                 job,
                 "SDCPodsUnguarded",
                 f"{len(missed)} pod(s) of this job run without the hyperpod-sdc agent's wiring "
                 f"({shown}): they were created while the admission webhook was unavailable, "
                 "or before the job opted in, so their reports cannot reach the operator. "
                 "Delete them to have them recreated, or restart the job.",
+                True,
             )
+
+    async def _pods(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
+        """The job's pods: from the pod cache where it watches the namespace (it keeps
+        labels, owners and our annotations), else listed by the webhook's selectors."""
+        if self.caches is not None and self.caches.pods.watches(namespace):
+            return self.caches.pods_of(job_uid)
+        pods: dict[str, dict[str, Any]] = {}
+        for selector in self.selectors:
+            for pod in await self.kube.list_all(
+                "v1", "pods", namespace, label_selector=label_selector_string(selector)
+            ):
+                pods[pod["metadata"]["name"]] = pod
+        return list(pods.values())
 
 
 async def _observe(type: str | None, body: kopf.Body, memo: kopf.Memo) -> None:

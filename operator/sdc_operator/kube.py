@@ -440,10 +440,17 @@ class Kube:
         )
 
     async def emit_event(
-        self, obj: dict[str, Any], reason: str, message: str, *, warning: bool = True
-    ) -> None:
-        """A core/v1 Event on ``obj`` (shown by ``kubectl describe``). Node events go to
-        the ``default`` namespace, as the kubelet's do."""
+        self,
+        obj: dict[str, Any],
+        reason: str,
+        message: str,
+        *,
+        warning: bool = True,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        """A core/v1 Event on ``obj`` (shown by ``kubectl describe``), named ``name``
+        (else a random name). Node events go to the ``default`` namespace, as the
+        kubelet's do."""
         meta = obj.get("metadata") or {}
         namespace = meta.get("namespace") or "default"
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -451,7 +458,7 @@ class Kube:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {
-                "name": f"{meta.get('name', 'object')}.{secrets.token_hex(8)}",
+                "name": name or f"{meta.get('name', 'object')}.{secrets.token_hex(8)}",
                 "namespace": namespace,
             },
             "involvedObject": {
@@ -472,7 +479,7 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        await self.create("v1", "events", namespace, body)
+        return await self.create("v1", "events", namespace, body)
 
 
 async def _parse(raw: bytes) -> dict[str, Any]:

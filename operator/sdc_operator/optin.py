@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from .caches import Caches
+from .effects import Effects
 from .jobwatch import JobWatch
 from .kube import Kube
 from .trust_bundle import CaPublisher, ServingCertificate
@@ -33,11 +34,16 @@ class OptIn:
         registry: CollectorRegistry,
         serving: ServingCertificate | None = None,
         caches: Caches | None = None,
+        effects: Effects | None = None,
     ) -> None:
         self.settings = settings
         self.serving = serving
         self.lookups = AdmissionLookups(kube, settings.webhook_cache_seconds, caches=caches)
-        self.publisher = CaPublisher(kube, settings.tls_ca_file) if settings.tls_ca_file else None
+        # Writes (the CA ConfigMaps, Events) go through the effects layer (.effects).
+        effects = effects or Effects(kube, caches or Caches(kube, []))
+        self.publisher = (
+            CaPublisher(effects, settings.tls_ca_file) if settings.tls_ca_file else None
+        )
         publisher = self.publisher
         self.webhook = PodWebhook(
             settings,
@@ -53,7 +59,14 @@ class OptIn:
                 settings.tls_ca_file,
             )
         self.jobs = JobWatch(
-            kube, self.lookups, self.publisher, settings.webhook_pod_selectors, registry, leader
+            kube,
+            effects,
+            caches,
+            self.lookups,
+            self.publisher,
+            settings.webhook_pod_selectors,
+            registry,
+            leader,
         )
         self._sweeper: asyncio.Task[None] | None = None
 

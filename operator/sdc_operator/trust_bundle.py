@@ -3,7 +3,8 @@
 :class:`CaPublisher` writes the CA that signed the operator's certificate into a ConfigMap
 ``hyperpod-sdc-ca`` (key ``ca.crt``) in every namespace where an opted-in job appears, and
 rewrites those ConfigMaps when the CA file changes (cert-manager or a new Secret rotated
-it). The pods mount it (:mod:`.injection`) and the agent re-reads it when it changes, so a
+it); the writes are :meth:`.effects.Effects.put_configmap`'s (read first, written where
+they differ). The pods mount it (:mod:`.injection`) and the agent re-reads it when it changes, so a
 new namespace needs no chart value and a rotation needs no restart.
 
 :class:`ServingCertificate` reloads the operator's own certificate and key when their files
@@ -21,10 +22,12 @@ import ssl
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .injection import CA_CONFIGMAP, CA_KEY
-from .kube import Kube, is_conflict, is_not_found
+
+if TYPE_CHECKING:
+    from .effects import Effects
 
 __all__ = ["CaPublisher", "FileStamp", "ServingCertificate"]
 
@@ -55,14 +58,14 @@ class FileStamp:
 class CaPublisher:
     def __init__(
         self,
-        kube: Kube,
+        effects: Effects,
         ca_file: str,
         *,
         name: str = CA_CONFIGMAP,
         recheck_seconds: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.kube = kube
+        self.effects = effects
         self.name = name
         self.recheck_seconds = recheck_seconds
         self.clock = clock
@@ -127,32 +130,10 @@ class CaPublisher:
             "metadata": {"name": self.name, "namespace": namespace, "labels": MANAGED_BY},
             "data": {CA_KEY: pem},
         }
-        for _ in range(5):
-            try:
-                existing = await self.kube.get("v1", "configmaps", namespace, self.name)
-            except Exception as exc:
-                if not is_not_found(exc):
-                    raise
-                try:
-                    await self.kube.create("v1", "configmaps", namespace, body)
-                except Exception as create_exc:
-                    if is_conflict(create_exc):
-                        continue  # another replica made it: read it again
-                    raise
-                log.info("published the CA in namespace %s (ConfigMap %s)", namespace, self.name)
-                return True
-            if (existing.get("data") or {}).get(CA_KEY) == pem:
-                return False
-            body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
-            try:
-                await self.kube.replace("v1", "configmaps", namespace, body)
-            except Exception as exc:
-                if is_conflict(exc):
-                    continue
-                raise
-            log.info("updated the CA in namespace %s (ConfigMap %s)", namespace, self.name)
-            return True
-        raise RuntimeError(f"ConfigMap {namespace}/{self.name}: too many write conflicts")
+        wrote = await self.effects.put_configmap(body)
+        if wrote:
+            log.info("published the CA in namespace %s (ConfigMap %s)", namespace, self.name)
+        return wrote
 
 
 class ServingCertificate:

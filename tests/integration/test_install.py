@@ -114,6 +114,7 @@ def test_cluster_role_allows_what_the_operator_does_and_nothing_more(
         ("list", "", "nodes", ""),
         ("patch", "", "nodes", ""),
         ("create", "", "events", ""),
+        ("get", "", "events", ""),
         ("get", "kubeflow.org", "pytorchjobs", ""),
         ("patch", "kubeflow.org", "pytorchjobs", ""),
         ("get", "sagemaker.amazonaws.com", "hyperpodpytorchjobs", ""),

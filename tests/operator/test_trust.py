@@ -209,10 +209,19 @@ class Secrets:
         self.created.append(body)
         return body
 
+    async def create_once(
+        self, api_version: str, plural: str, namespace: str, body: Any
+    ) -> tuple[Any, bool]:
+        # Effects.create_once over this fake (its 409 path reads the winner)
+        try:
+            return await self.create(api_version, plural, namespace, body), True
+        except ApiError:
+            return await self.get(api_version, plural, namespace, body["metadata"]["name"]), False
+
 
 def test_the_first_replica_creates_the_key_the_others_read_it() -> None:
     fresh = Secrets(None)
-    key = asyncio.run(load_key(fresh, "hyperpod-sdc", "k"))
+    key = asyncio.run(load_key(fresh, fresh, "hyperpod-sdc", "k"))
     assert len(key.value) == 32 and len(fresh.created) == 1
     assert fresh.created[0]["metadata"] == {
         "name": "k",
@@ -220,6 +229,7 @@ def test_the_first_replica_creates_the_key_the_others_read_it() -> None:
         "labels": {"app.kubernetes.io/part-of": "hyperpod-sdc"},
     }
     raced = Secrets(None, conflict=True)  # another replica created it first
-    assert asyncio.run(load_key(raced, "hyperpod-sdc", "k")).value == b"w" * 32
+    assert asyncio.run(load_key(raced, raced, "hyperpod-sdc", "k")).value == b"w" * 32
+    short = Secrets({"data": {"key": "c2hvcnQ="}})
     with pytest.raises(OperatorError, match="no usable 'key'"):
-        asyncio.run(load_key(Secrets({"data": {"key": "c2hvcnQ="}}), "hyperpod-sdc", "k"))
+        asyncio.run(load_key(short, short, "hyperpod-sdc", "k"))
