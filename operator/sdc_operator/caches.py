@@ -226,6 +226,7 @@ class Caches:
         *,
         on_incident: ChangeHandler | None = None,
         on_pod: ChangeHandler | None = None,
+        on_policy: ChangeHandler | None = None,
     ) -> None:
         scope: list[str | None] = list(namespaces) or [None]
         self.pods = InformerSet(kube, "v1", "pods", scope, project=project_pod, on_change=on_pod)
@@ -236,7 +237,7 @@ class Caches:
             for key, plural in jobs.JOB_KINDS.items()
         }
         self.namespaces = Informer(kube, "v1", "namespaces", project=project_namespace)
-        self.policies = Informer(kube, f"{GROUP}/v1alpha1", POLICY_PLURAL)
+        self.policies = Informer(kube, f"{GROUP}/v1alpha1", POLICY_PLURAL, on_change=on_policy)
         self.incidents = InformerSet(kube, INCIDENTS, INCIDENT_PLURAL, scope, on_change=on_incident)
         self.incidents.add_index("job", _job_uid)
 

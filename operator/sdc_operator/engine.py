@@ -137,6 +137,8 @@ class IncidentEngine:
             self.rules,
             remediation_policy=POLICY_CAUTION[caution],
             dry_run=self.rules.dry_run or found.dry_run or not found.admitted,
+            cluster_approvals=found.cluster_approvals,
+            approved=found.approved,
         )
 
     # -- writes ----------------------------------------------------------------------------
@@ -456,8 +458,14 @@ class IncidentEngine:
         if not self.leader:
             return
         meta = new["metadata"]
-        if incidents.pending_actions(new, self.rules_for(meta["namespace"])):
+        rules = self.rules_for(meta["namespace"])
+        if incidents.pending_actions(new, rules):
             self.schedule(meta["namespace"], meta["name"])
+        ignored = incidents.ignored_decision(new, rules)
+        if ignored is not None:  # once per decision written (the Event's name says it)
+            self._spawn(
+                self.recorded.emit(new, "SDCDecisionIgnored", ignored, True, occurrence=ignored)
+            )
 
     def on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         """A pod changed: where it is a confirmation pod, its incident reads its result

@@ -88,6 +88,7 @@ class Operator:
             settings.namespaces,
             on_incident=self._on_incident,
             on_pod=self._on_pod,
+            on_policy=self._on_policy,
         )
         # Each cache holds one connection open for its watch (3 + 4 per namespace watched);
         # a pool smaller than that leaves some watches queued, their caches stale.
@@ -135,6 +136,12 @@ class Operator:
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
             self.engine.on_incident(old, new)
+
+    def _on_policy(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        # A policy's change (its approvals, a cluster admin's decision) drives the incidents
+        # now, not at the next resync.
+        if self.engine_ready:
+            self.engine.resync()
 
     def _on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -471,6 +471,11 @@ class Rules:
     backoff_seconds: float = 30.0
     confirmation: bool = True
     """Run a confirmation pod on a quarantined node whose verdict named a bundle."""
+    cluster_approvals: bool = False
+    """A person's decision is read from the admitting SDCPolicies (:attr:`approved`), not
+    from the incident's ``hyperpod-sdc.dev/action`` (``approvals: cluster``)."""
+    approved: Mapping[str, str] = field(default_factory=dict)
+    """Incident uid -> the decision a cluster admin recorded on an admitting SDCPolicy."""
 
     @classmethod
     def of(cls, settings: Any) -> Rules:
@@ -541,14 +546,33 @@ def quarantined_nodes(status: dict[str, Any]) -> list[str]:
 
 def requested_remediation(incident: dict[str, Any], rules: Rules) -> list[str]:
     """What is asked for the quarantined nodes: the policy's automatic action, then what a
-    person asked for with the ``hyperpod-sdc.dev/action`` annotation."""
+    person asked for with the ``hyperpod-sdc.dev/action`` annotation (under
+    ``approvals: cluster``: what a cluster admin recorded on an SDCPolicy instead)."""
     asked = []
     if rules.remediation_policy in ("auto-reboot", "auto-replace"):
         asked.append(rules.remediation_policy.removeprefix("auto-"))
-    annotation = ((incident.get("metadata") or {}).get("annotations") or {}).get(ACTION_ANNOTATION)
+    meta = incident.get("metadata") or {}
+    if rules.cluster_approvals:  # the tenant's annotation does not count
+        annotation = rules.approved.get(str(meta.get("uid") or ""))
+    else:
+        annotation = (meta.get("annotations") or {}).get(ACTION_ANNOTATION)
     if annotation in ACTIONS and annotation not in asked:
         asked.append(annotation)
     return asked
+
+
+def ignored_decision(incident: dict[str, Any], rules: Rules) -> str | None:
+    """Why the incident's ``hyperpod-sdc.dev/action`` is ignored (``approvals: cluster``:
+    only a cluster admin decides, on the SDCPolicy), or ``None``."""
+    meta = incident.get("metadata") or {}
+    asked = (meta.get("annotations") or {}).get(ACTION_ANNOTATION)
+    if not rules.cluster_approvals or asked not in ACTIONS:
+        return None
+    return (
+        f"{ACTION_ANNOTATION}={asked} is ignored: the SDCPolicy admitting namespace "
+        f"{meta.get('namespace')} says approvals: cluster, so only a cluster admin decides, "
+        f"with the annotation approve.hyperpod-sdc.dev/{meta.get('uid')}={asked} on that policy"
+    )
 
 
 def confirmation_planned(incident: dict[str, Any], rules: Rules) -> Action | None:

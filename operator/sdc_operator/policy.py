@@ -12,6 +12,14 @@ namespace's reports are heard and how boldly its nodes may be remediated::
       namespaceSelector: {matchLabels: {team: ml}}   # a label selector
       remediationPolicy: manual  # manual | auto-replace-confirmed | auto-reboot | auto-replace
       dryRun: false                                  # observe only
+      approvals: namespace   # namespace | cluster: who decides a quarantined node's fate
+
+With ``approvals: cluster`` a person's decision about a quarantined node (replace, reboot,
+release) is read only from an annotation on an admitting policy,
+``approve.hyperpod-sdc.dev/<incident uid>: replace``, which only a cluster admin can write;
+the incident's own ``hyperpod-sdc.dev/action`` (which anyone with ``patch`` on the
+namespace's ``sdcincidents`` can write) is ignored. The incident's uid binds the approval to
+one incident: a later incident on the same node needs its own.
 
 A namespace is admitted when any policy admits it. Where several do, the most cautious
 remediation policy wins and dry-run wins over acting: one admin's caution is never
@@ -21,10 +29,20 @@ overruled by another's boldness. Pure: works on the objects as the API server re
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["POLICY_CAUTION", "Admission", "namespace_admission", "selector_matches"]
+__all__ = [
+    "APPROVAL_PREFIX",
+    "POLICY_CAUTION",
+    "Admission",
+    "namespace_admission",
+    "selector_matches",
+]
+
+APPROVAL_PREFIX = "approve.hyperpod-sdc.dev/"
+"""An SDCPolicy annotation ``approve.hyperpod-sdc.dev/<incident uid>: <decision>``: a cluster
+admin's decision for that incident (read where the policy says ``approvals: cluster``)."""
 
 POLICY_CAUTION: tuple[str, ...] = (
     "manual",
@@ -49,6 +67,12 @@ class Admission:
     """Names of the policies that admit the namespace."""
     reason: str
     """Why, in words (for a 403 message or an Event)."""
+    cluster_approvals: bool = False
+    """A person's decision about a quarantined node is read only from the admitting
+    policies' :data:`APPROVAL_PREFIX` annotations (any admitting policy says
+    ``approvals: cluster``, or a value this code does not know)."""
+    approved: Mapping[str, str] = field(default_factory=dict)
+    """Incident uid -> the decision the admitting policies record for it."""
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -110,4 +134,13 @@ def namespace_admission(
     remediation = POLICY_CAUTION[min(rank)]
     dry_run = any((p.get("spec") or {}).get("dryRun") is True for p in admitting)
     reason = f"namespace {namespace} is admitted by SDCPolicy {', '.join(names)}"
-    return Admission(True, remediation, dry_run, names, reason)
+    # A value other than "namespace" counts as "cluster": a typo never lets tenants decide.
+    cluster = any(
+        (p.get("spec") or {}).get("approvals", "namespace") != "namespace" for p in admitting
+    )
+    approved: dict[str, str] = {}
+    for policy in sorted(admitting, key=lambda p: str((p.get("metadata") or {}).get("name"))):
+        for key, value in ((policy.get("metadata") or {}).get("annotations") or {}).items():
+            if key.startswith(APPROVAL_PREFIX):
+                approved.setdefault(key.removeprefix(APPROVAL_PREFIX), str(value))
+    return Admission(True, remediation, dry_run, names, reason, cluster, approved)

@@ -478,6 +478,7 @@ def test_the_optional_policy_is_valid_and_off_by_default() -> None:
         "namespaceSelector": {"matchLabels": {"team": "ml"}},
         "remediationPolicy": "manual",
         "dryRun": False,
+        "approvals": "namespace",
     }
     crd = yaml.safe_load((CHART / "crds" / "hyperpod-sdc.dev_sdcpolicies.yaml").read_text())
     jsonschema.validate(policy, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])

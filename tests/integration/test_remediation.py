@@ -75,6 +75,43 @@ def test_manual_approval_then_replace_calls_the_api_once(
     assert incident["status"]["actions"][-1]["action"] == "replace-node"
 
 
+def test_under_cluster_approvals_only_the_admins_decision_on_the_policy_counts(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    sagemaker: FakeSageMaker,
+) -> None:
+    cluster.admit(namespace, approvals="cluster")
+    job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
+    op = start_operator(extra_env=sagemaker.env())
+    contain(cluster, op, job)
+    incident = incident_in(cluster, namespace, "Contained")
+    annotate(cluster, incident, "replace")  # anyone with patch on sdcincidents: the tenant
+    ignored = wait_for(
+        "the tenant's decision said to be ignored",
+        lambda: next(
+            (e for e in cluster.events(namespace) if e["reason"] == "SDCDecisionIgnored"), None
+        ),
+    )
+    uid = incident["metadata"]["uid"]
+    assert f"approve.hyperpod-sdc.dev/{uid}=replace" in ignored["message"]
+    op.resynced(2)
+    assert sagemaker.calls == []
+    assert [i["status"]["phase"] for i in cluster.incidents(namespace)] == ["Contained"]
+    # The cluster admin's decision, on the policy that admits the namespace.
+    cluster.custom.patch_cluster_custom_object(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        "sdcpolicies",
+        f"admit-{namespace}",
+        {"metadata": {"annotations": {f"approve.hyperpod-sdc.dev/{uid}": "replace"}}},
+    )
+    phase(cluster, namespace, "Remediated")
+    assert sagemaker.calls == [
+        ("BatchReplaceClusterNodes", {"ClusterName": "ml-cluster", "NodeIds": [job.instance(1)]})
+    ]
+
+
 def test_per_node_failure_is_retried_with_back_off(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:

@@ -63,6 +63,50 @@ def test_the_most_cautious_policy_wins() -> None:
     assert namespace_admission(policies, "other", {}).remediation_policy == "manual"
 
 
+def test_cluster_approvals_read_decisions_from_the_policy_only() -> None:
+    from sdc_operator.incidents import Rules, ignored_decision, requested_remediation
+
+    incident = {
+        "metadata": {
+            "name": "i",
+            "namespace": "ml",
+            "uid": "u-1",
+            "annotations": {"hyperpod-sdc.dev/action": "replace"},  # the tenant's word
+        }
+    }
+    # Clean path: approvals by namespace (the default) read the incident's annotation.
+    tenants = namespace_admission([policy("p", namespaces=["ml"])], "ml", {})
+    assert not tenants.cluster_approvals
+    rules = Rules(cluster_approvals=tenants.cluster_approvals, approved=tenants.approved)
+    assert requested_remediation(incident, rules) == ["replace"]
+    assert ignored_decision(incident, rules) is None
+    # approvals: cluster (on any admitting policy; a value we do not know counts as cluster)
+    for spec in ({"approvals": "cluster"}, {"approvals": "clustr"}):
+        strict = policy("strict", namespaces=["ml"], **spec)
+        admission = namespace_admission([policy("p", namespaces=["ml"]), strict], "ml", {})
+        assert admission.cluster_approvals
+        rules = Rules(cluster_approvals=True, approved=admission.approved)
+        assert requested_remediation(incident, rules) == []
+        why = ignored_decision(incident, rules)
+        assert why is not None and "approve.hyperpod-sdc.dev/u-1=replace" in why
+    # A cluster admin's decision on an admitting policy, bound to the incident's uid.
+    strict = policy("strict", namespaces=["ml"], approvals="cluster")
+    strict["metadata"]["annotations"] = {
+        "approve.hyperpod-sdc.dev/u-1": "reboot",
+        "approve.hyperpod-sdc.dev/u-other": "release",
+    }
+    admission = namespace_admission([strict], "ml", {})
+    rules = Rules(cluster_approvals=True, approved=admission.approved)
+    assert requested_remediation(incident, rules) == ["reboot"]
+    other = {"metadata": {**incident["metadata"], "uid": "u-2"}}
+    assert requested_remediation(other, rules) == []
+    # A policy that does not admit the namespace decides nothing for it.
+    elsewhere = policy("elsewhere", namespaces=["lab"])
+    elsewhere["metadata"]["annotations"] = {"approve.hyperpod-sdc.dev/u-2": "replace"}
+    admission = namespace_admission([strict, elsewhere], "ml", {})
+    assert "u-2" not in admission.approved
+
+
 @pytest.mark.parametrize(
     ("expression", "labels", "matches"),
     [
