@@ -253,7 +253,11 @@ def _refusals(rank: int, world: int) -> list[str]:
     fully_shard(tp_model, mesh=mesh["dp"])
     narrow = nn.Sequential(nn.Linear(4, 2))
     fully_shard(narrow, mesh=mesh["dp"])  # one of the two ranks
-    for model in (tp_model, narrow):
+    # Two meshes over the same ranks, one per fully_shard call.
+    two_meshes = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(two_meshes[0], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("a",)))
+    fully_shard(two_meshes, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("b",)))
+    for model in (tp_model, narrow, two_meshes):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         try:
             Guard(model, optimizer, None, config, reporter=None)
@@ -265,7 +269,10 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_layouts_it_cannot_guard_are_refused_naming_the_dimension() -> None:
-    tp, narrow = spawn_local(_refusals, ["n0", "n1"])[0]
+    tp, narrow, two_meshes = spawn_local(_refusals, ["n0", "n1"])[0]
     assert tp.startswith("model: parameter '0.weight' is also sharded over mesh dimension 'tp'")
     assert "tensor- or pipeline-parallel" in tp
     assert narrow.startswith("model: the FSDP mesh ('dp',) spans 1 of 2 ranks")
+    assert two_meshes.startswith(
+        "model: fully_shard was given different meshes for different modules"
+    ), two_meshes

@@ -69,10 +69,45 @@ def _train(rank: int, world: int, out: str, faults: str) -> dict[str, Any]:
     }
 
 
+def _refusals(out: str) -> list[str]:
+    """What the callback says to a Trainer set up for FSDP, and to one given an FSDP2
+    model (as accelerate would wrap it on GPUs: here it runs such a Trainer as DDP)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Trainer, TrainingArguments
+
+    from sdc_agent.errors import ConfigError
+    from sdc_agent.integrations.huggingface import SDCCallback
+
+    messages = []
+    common: dict[str, Any] = {"output_dir": out, "use_cpu": True, "report_to": [], "max_steps": 1}
+    fsdp_args = TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, **common)
+    torch.manual_seed(0)
+    sharded = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(sharded)
+    cases = [
+        (nn.Sequential(nn.Linear(4, 4)), fsdp_args, False),
+        (sharded, TrainingArguments(**common), True),
+    ]
+    for model, args, begin in cases:
+        try:
+            callback = SDCCallback(Trainer(model=model, args=args), fingerprint_backend="eager")
+            if begin:
+                callback.on_train_begin(args, None, None)
+        except ConfigError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("accepted")
+    return messages
+
+
 def _both(rank: int, world: int, out: str) -> dict[str, dict[str, Any]]:
     """The clean run, then the faulty one, in the same ranks: transformers is imported
-    and the process group made once (two spawns cost about 30 s more on 2 cores)."""
-    return {"clean": _train(rank, world, out, ""), "faulty": _train(rank, world, out, FAULT)}
+    and the process group made once (two spawns cost about 30 s more on 2 cores); the
+    refusals last (a Trainer set up for FSDP leaves accelerate's shared state so)."""
+    clean, faulty = _train(rank, world, out, ""), _train(rank, world, out, FAULT)
+    return {"clean": {**clean, "refusals": _refusals(out)}, "faulty": faulty}
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +137,16 @@ def test_a_forward_fault_on_one_rank_is_caught_and_named(
     assert r["applied"][:4] == [True] * 4
     assert r["applied"][4] is False
     assert all(x["verdicts"] == r["verdicts"] for x in runs["faulty"])
+
+
+def test_fsdp_trainers_are_refused_naming_fsdp(runs: dict[str, list[dict[str, Any]]]) -> None:
+    for r in runs["clean"]:
+        configured, wrapped = r["refusals"]
+        assert configured.startswith(
+            "SDCCallback: the Trainer is set up for FSDP (TrainingArguments.fsdp: full_shard, "
+            "fsdp_version 2); the callback guards DDP Trainers only"
+        ), configured
+        assert wrapped.startswith(
+            "SDCCallback: the Trainer's model is an FSDP2 module (fully_shard: "
+        ), wrapped
+        assert "examples/train_fsdp.py" in wrapped

@@ -21,6 +21,15 @@ last ``keep`` of them) and its verdicts in :attr:`SDCCallback.verdicts`. A Train
 computes its loss with ``compute_loss_func`` or a label smoother backpropagates
 something other than ``outputs.loss``: give ``loss_fn`` (``loss_fn(model, batch)``
 returning exactly what is backpropagated) for the audit to replay it.
+
+Refused, with a :class:`~sdc_agent.errors.ConfigError` naming it: a Trainer set up for FSDP
+(``TrainingArguments(fsdp=...)``, FSDP1 or ``fsdp_version: 2``), at ``SDCCallback(trainer)``,
+and any model the Trainer wrapped in something other than DDP (an FSDP2 ``fully_shard``
+module, FSDP1's ``FullyShardedDataParallel``), at ``on_train_begin``. The callback does not
+guard the Trainer's FSDP path: on this project's CPU test machine accelerate runs such a
+Trainer as DDP, so its FSDP2 path was never exercised here. Guard FSDP2 and HSDP in your own
+loop instead (:class:`~sdc_agent.Guard` takes a ``fully_shard`` model:
+``examples/train_fsdp.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +74,13 @@ class SDCCallback(TrainerCallback):
     ) -> None:
         if config is not None and overrides:
             raise ConfigError("SDCCallback: pass either config or settings, not both")
+        fsdp = _fsdp_setting(trainer)
+        if fsdp:
+            raise ConfigError(
+                f"SDCCallback: the Trainer is set up for FSDP (TrainingArguments.fsdp: {fsdp}); "
+                "the callback guards DDP Trainers only. Guard FSDP2 or HSDP training in your "
+                "own loop: sdc_agent.Guard takes a fully_shard model (examples/train_fsdp.py)"
+            )
         self.trainer = trainer
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         self.config = config if config is not None else GuardConfig.from_env(**overrides)
@@ -76,6 +92,13 @@ class SDCCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
         model = trainer.model_wrapped
+        sharded = _sharded_kind(model)
+        if sharded is not None:
+            raise ConfigError(
+                f"SDCCallback: the Trainer's model is {sharded}; the callback guards DDP "
+                "Trainers only. Guard FSDP2 or HSDP training in your own loop: "
+                "sdc_agent.Guard takes a fully_shard model (examples/train_fsdp.py)"
+            )
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError(
                 "SDCCallback: the Trainer's model is not DistributedDataParallel (launch "
@@ -116,3 +139,28 @@ class SDCCallback(TrainerCallback):
             self._handle = None
         if self.guard is not None:
             self.guard.close()
+
+
+def _fsdp_setting(trainer: Any) -> str:
+    """What the Trainer's arguments ask of FSDP (``""``: nothing)."""
+    args = getattr(trainer, "args", None)
+    options = getattr(args, "fsdp", None) or []
+    if isinstance(options, str):
+        options = options.split()
+    named = [str(getattr(o, "value", o)) for o in options]
+    config = getattr(args, "fsdp_config", None) or {}
+    version = config.get("version", config.get("fsdp_version"))  # transformers drops fsdp_
+    if named and version is not None:
+        named.append(f"fsdp_version {version}")
+    return ", ".join(named)
+
+
+def _sharded_kind(model: object) -> str | None:
+    """``model``'s sharded data-parallel wrapper, named, or ``None``."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FSDPModule):
+        return f"an FSDP2 module (fully_shard: {type(model).__name__})"
+    if isinstance(model, FullyShardedDataParallel):
+        return "FSDP1 (FullyShardedDataParallel)"
+    return None
