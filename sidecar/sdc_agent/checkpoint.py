@@ -8,6 +8,13 @@ Write the checkpoint as usual (``torch.save`` into a file or directory, or
 given a reporter, tells the operator. When the operator resumes a job after an incident it
 sets ``HYPERPOD_SDC_RESUME_MAX_STEP``; :func:`resume_max_step` reads it and
 :func:`select_checkpoint` picks the newest verified checkpoint at or before that step.
+
+Sharded jobs (FSDP2, HSDP): :func:`save_dcp` writes the model and optimizer as a
+``torch.distributed.checkpoint`` directory (every rank writes its shards), :func:`load_dcp`
+reads it back into a model sharded over any number of ranks (DCP reshards), and
+:func:`state_digest` is a SHA-256 of the whole (unsharded) state, the same for the same
+state whatever the sharding: what a test compares across a resume on another node count.
+These import torch; the rest of this module does not.
 """
 
 from __future__ import annotations
@@ -19,20 +26,27 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sdc_common.names import RESUME_MAX_STEP_ENV
 
 from .errors import CheckpointNotFoundError, ConfigError
 from .protocol import CheckpointReport, ReporterIdentity
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "MARKER_SUFFIX",
     "RESUME_MAX_STEP_ENV",
     "Checkpoint",
     "find_checkpoints",
+    "load_dcp",
     "mark_checkpoint",
     "resume_max_step",
+    "save_dcp",
     "select_checkpoint",
+    "state_digest",
 ]
 
 MARKER_SUFFIX = ".sdc.json"
@@ -172,3 +186,84 @@ def select_checkpoint(
         f"no {'verified ' if require_verified else ''}checkpoint {where} in {root} "
         f"(steps found: {seen}{extra})"
     )
+
+
+# -- sharded checkpoints (torch.distributed.checkpoint) ------------------------------------
+
+
+def save_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> Path:
+    """Write ``model`` and ``optimizer`` as a DCP checkpoint directory at ``path``.
+
+    Every rank calls it (a collective; each rank writes its own shards, rank 0 the
+    ``.metadata`` last, so a directory without it is incomplete and never ``dcp``). Then
+    mark it on one rank: ``guard.mark_checkpoint(path)``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    target = Path(path)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(target))
+    return target
+
+
+def load_dcp(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Load a :func:`save_dcp` checkpoint into ``model`` and ``optimizer`` in place, on any
+    number of ranks: DCP reads each rank's shards as this model is sharded now. Every rank
+    calls it, before creating the Guard (then ``guard.restore(step)``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    target = Path(path)
+    if _layout(target) != "dcp":
+        raise CheckpointNotFoundError(f"{target}: not a complete DCP checkpoint (no .metadata)")
+    # get_state_dict gives the optimizer its state first (a zero step), so every key the
+    # checkpoint holds has a tensor of this sharding to be read into.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(target))
+    # (dcp.load fills the given dicts in place.)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the model's and the optimizer's whole state (parameter names, values,
+    per-parameter optimizer state; not the hyperparameters), independent of how it is
+    sharded. Every rank calls it (it gathers the full state: for tests and small models);
+    every rank gets the same digest."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    digest = hashlib.sha256()
+
+    def add(name: str, value: Any) -> None:
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            digest.update(str(value.dtype).encode())
+            raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            digest.update(bytes(raw.numpy().tobytes()))
+        else:
+            digest.update(repr(value).encode())
+
+    for name in sorted(model_state):
+        add(name, model_state[name])
+    per_param: Any = optim_state.get("state", {})
+    for name in sorted(per_param):
+        for key, value in sorted(per_param[name].items()):
+            add(f"{name}:{key}", value)
+    out = [digest.hexdigest()]
+    if dist.is_available() and dist.is_initialized():
+        # cpu_offload leaves the full state on rank 0 only: its digest is the one.
+        dist.broadcast_object_list(out, src=0)
+    return out[0]

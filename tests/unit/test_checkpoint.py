@@ -10,9 +10,12 @@ import torch
 
 from sdc_agent.checkpoint import (
     find_checkpoints,
+    load_dcp,
     mark_checkpoint,
     resume_max_step,
+    save_dcp,
     select_checkpoint,
+    state_digest,
 )
 from sdc_agent.errors import CheckpointNotFoundError, ConfigError
 
@@ -110,3 +113,38 @@ def test_a_damaged_or_mismatched_marker_vouches_for_nothing(tmp_path: Path) -> N
 def test_marking_a_missing_checkpoint_fails(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no such checkpoint"):
         mark_checkpoint(tmp_path / "step_5", 5, verified=True)
+
+
+# DCP in one process (no process group): it says so with a UserWarning.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_dcp_checkpoint_round_trip_is_found_marked_and_restores_the_state(
+    tmp_path: Path,
+) -> None:
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, optimizer = trained()
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = state_digest(model, optimizer)
+    path = save_dcp(tmp_path / "step_3", model, optimizer)
+    mark_checkpoint(path, 3, verified=True)
+    chosen = select_checkpoint(tmp_path)
+    assert (chosen.step, chosen.layout, chosen.path) == (3, "dcp", path)
+
+    fresh, fresh_optimizer = trained()
+    assert state_digest(fresh, fresh_optimizer) != saved
+    load_dcp(chosen.path, fresh, fresh_optimizer)
+    assert state_digest(fresh, fresh_optimizer) == saved
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 3
+
+
+def test_loading_an_incomplete_dcp_directory_fails(tmp_path: Path) -> None:
+    (tmp_path / "step_5").mkdir()  # a save that stopped before rank 0 wrote .metadata
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointNotFoundError, match="step_5: not a complete DCP checkpoint"):
+        load_dcp(tmp_path / "step_5", model, torch.optim.SGD(model.parameters(), lr=0.1))
