@@ -754,7 +754,12 @@ class Actions:
             ("Confirmed", "Unknown", "Running", f"confirmation pod {name} on node {node}"),
             {
                 "confirmation": confirmation.running_record(
-                    name, node, bundle, created, str((pod.get("metadata") or {}).get("uid") or "")
+                    name,
+                    node,
+                    bundle,
+                    created,
+                    str((pod.get("metadata") or {}).get("uid") or ""),
+                    confirmation.pod_images(pod),
                 )
             },
         )

@@ -5,8 +5,9 @@ holding only what the operator reads, so memory grows with the cluster by a few 
 bytes per pod and node, not by their full specs (docs/operator.md, "Memory"):
 
 - a pod: name, uid, generate name, creation time, its controlling owner, labels, our
-  annotations (the attestation), node; for a confirmation pod also its container's state,
-  its scheduling condition and why it stopped (its result);
+  annotations (the attestation), node; for a confirmation pod also its container's state
+  and restarts, its scheduling condition and why it stopped (its result), and its
+  containers' names and images;
 - a node: name, labels, our annotations, providerID, unschedulable, taints, addresses,
   boot id;
 - a job: name, uid, annotations, ``runPolicy.suspend`` and its replica counts;
@@ -66,13 +67,16 @@ def project_pod(pod: dict[str, Any]) -> dict[str, Any]:
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     kept_status: dict[str, Any] = {"phase": status.get("phase")}
+    kept_spec = {k: spec[k] for k in ("nodeName", "serviceAccountName") if spec.get(k)}
     if (kept.get("labels") or {}).get(confirmation.CONFIRMATION_LABEL) == "true":
         kept_status.update(_confirmation_status(status))
-    return {
-        "metadata": kept,
-        "spec": {k: spec[k] for k in ("nodeName", "serviceAccountName") if spec.get(k)},
-        "status": kept_status,
-    }
+        # what its result is read against: its images, and whether anything was added
+        for key in ("initContainers", "containers", "ephemeralContainers"):
+            if spec.get(key):
+                kept_spec[key] = [
+                    {"name": c.get("name"), "image": c.get("image")} for c in spec[key]
+                ]
+    return {"metadata": kept, "spec": kept_spec, "status": kept_status}
 
 
 def _confirmation_status(status: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +91,11 @@ def _confirmation_status(status: dict[str, Any]) -> dict[str, Any]:
     if scheduled:
         out["conditions"] = scheduled
     containers = [
-        {"name": c.get("name"), "state": dict(c.get("state") or {})}
+        {
+            "name": c.get("name"),
+            "state": dict(c.get("state") or {}),
+            "restartCount": int(c.get("restartCount") or 0),
+        }
         for c in status.get("containerStatuses") or []
         if c.get("name") == confirmation.CONTAINER
     ]

@@ -337,14 +337,60 @@ def is_running(status: Mapping[str, Any]) -> bool:
 
 
 def running_record(
-    pod: str, node: str, bundle: str, at: str, uid: str | None = None
+    pod: str,
+    node: str,
+    bundle: str,
+    at: str,
+    uid: str | None = None,
+    images: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The record of a confirmation pod just created; ``uid`` pins the result to that very
-    pod (a tenant may delete it and make another of the same name)."""
-    record = {"outcome": "running", "pod": pod, "node": node, "bundle": bundle, "createdAt": at}
+    pod (a tenant may delete it and make another of the same name), ``images`` (container
+    name -> image, :func:`pod_images`) to what it runs (a tenant may patch a pod's image)."""
+    record: dict[str, Any] = {
+        "outcome": "running",
+        "pod": pod,
+        "node": node,
+        "bundle": bundle,
+        "createdAt": at,
+    }
     if uid:
         record["podUid"] = uid
+    if images:
+        record["images"] = dict(images)
     return record
+
+
+def pod_images(pod: Mapping[str, Any]) -> dict[str, str]:
+    """Container name -> image, over the pod's init containers and containers (the one
+    field of a pod's spec that anyone with ``patch`` on pods may change after it was
+    created; ephemeral containers are told apart by :func:`pod_changed`)."""
+    spec = pod.get("spec") or {}
+    return {
+        str(c.get("name")): str(c.get("image"))
+        for key in ("initContainers", "containers")
+        for c in spec.get(key) or []
+    }
+
+
+def pod_changed(confirmation: Mapping[str, Any], pod: Mapping[str, Any]) -> str | None:
+    """How the pod differs from the one the operator created and recorded, or ``None``:
+    another image patched into it, an ephemeral container added, or the confirmation
+    container restarted (``restartPolicy: Never``: only a changed spec restarts it, so a
+    patched image that was patched back still shows)."""
+    recorded = confirmation.get("images")
+    if recorded and pod_images(pod) != dict(recorded):
+        now = pod_images(pod)
+        changed = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
+        return f"its images were changed since it was created ({', '.join(changed)})"
+    ephemeral = (pod.get("spec") or {}).get("ephemeralContainers") or []
+    if ephemeral:
+        names = ", ".join(str(c.get("name")) for c in ephemeral)
+        return f"ephemeral containers were added to it ({names})"
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == CONTAINER and int(status.get("restartCount") or 0) > 0:
+            return f"its container {CONTAINER} was restarted (its spec was changed)"
+    return None
 
 
 def pod_difference(
@@ -493,7 +539,11 @@ def judge(
     up (unschedulable, its image, ...); one that runs past ``deadline_seconds`` (the
     kubelet stops it at ``activeDeadlineSeconds``) is a timeout.
     """
-    base = {k: confirmation[k] for k in ("pod", "node", "bundle", "createdAt") if k in confirmation}
+    base = {
+        k: confirmation[k]
+        for k in ("pod", "podUid", "node", "bundle", "createdAt")
+        if k in confirmation
+    }
     created = _at(confirmation.get("createdAt")) or now
     node = str(confirmation.get("node"))
     if pod is None:
@@ -508,6 +558,13 @@ def judge(
             "the same name: its result is not the operator's"
         )
         return "unknown", "PodReplaced", why, base
+    changed = pod_changed(confirmation, pod)
+    if changed is not None:
+        why = (
+            f"the confirmation pod {confirmation.get('pod')} is not the one the operator "
+            f"created: {changed}; its result is not the operator's"
+        )
+        return "unknown", "PodChanged", why, base
     bound = (pod.get("spec") or {}).get("nodeName")
     if bound and bound != node:
         why = f"the confirmation pod ran on {bound}, not on the suspect node {node}"

@@ -276,6 +276,46 @@ def test_a_tenants_look_alike_pod_under_our_name_is_not_adopted(
     assert "podUid" not in incident["status"]["confirmation"]
 
 
+def test_a_confirmation_pod_whose_image_a_tenant_patched_is_not_believed(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    checkpoints: Path,
+) -> None:
+    """A tenant with patch on pods swaps the image of the operator's own confirmation pod
+    (an image's the one field of a pod's spec that may change) for one that exits 3
+    "confirmed": the result is read only while the pod runs the images recorded when it
+    was created, so ``Confirmed=Unknown`` (``PodChanged``). The clean run of the same pod is
+    test_confirmed_once_across_a_restart_and_recorded (its images recorded and believed)."""
+    job = make_job(cluster, namespace)
+    with_volume(cluster, job, checkpoints)
+    op = start_operator()
+    contain(cluster, op, job, bundle_in(checkpoints))
+    pod = one_pod(cluster, namespace, "train")
+    wait_for(
+        "Confirmed=Unknown (Running)",
+        lambda: condition(incident_of(cluster, namespace, "train") or {})[1] == "Running",
+    )
+    running = incident_of(cluster, namespace, "train") or {}
+    assert running["status"]["confirmation"]["images"] == {
+        "confirm": pod["spec"]["containers"][0]["image"]
+    }
+    cluster.core.patch_namespaced_pod(
+        pod["metadata"]["name"],
+        namespace,
+        [{"op": "replace", "path": "/spec/containers/0/image", "value": "evil.example/ok:1"}],
+    )
+    kubelet.bind(cluster, pod, kubelet.pinned_node(pod))
+    exited = {"terminated": {"exitCode": 3, "message": "{}", "finishedAt": "2026-01-01T00:00:00Z"}}
+    kubelet.set_status(
+        cluster, pod, {"phase": "Failed", "containerStatuses": [kubelet.container_status(exited)]}
+    )
+    incident = confirmed(cluster, namespace, "train")
+    status_, reason, message = condition(incident)
+    assert (status_, reason) == ("Unknown", "PodChanged"), message
+    assert "its images were changed since it was created (confirm)" in message
+
+
 def test_auto_replace_confirmed_replaces_only_the_confirmed_node(
     cluster: Cluster,
     namespace: str,

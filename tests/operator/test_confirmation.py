@@ -13,6 +13,7 @@ import pytest
 
 from sdc_operator import confirmation, incidents
 from sdc_operator.actions import Actions
+from sdc_operator.caches import project_pod
 from sdc_operator.errors import ApiError, ConfigError
 from sdc_operator.incidents import Action, Rules
 from sdc_operator.jobs import job_owner
@@ -325,6 +326,46 @@ def test_a_pod_made_again_under_our_name_is_not_believed() -> None:
     forged["metadata"]["uid"] = "u-ours"
     judged = confirmation.judge(pinned, forged, NOW, start_seconds=600, deadline_seconds=3600)
     assert judged is not None and judged[0] == "confirmed"
+
+
+def test_a_pod_whose_image_was_patched_is_not_believed() -> None:
+    """A tenant with patch on pods changes the image of the operator's own pod (to one that
+    exits 3 'confirmed'), or adds an ephemeral container, or patches and patches back (the
+    container restarted): the result is not the operator's."""
+    images = {"confirm": "example.com/train:7"}
+    pinned = confirmation.running_record("sdc-confirm-x", "node-b", BUNDLE, AT, "u-ours", images)
+
+    def ran(image: str, **more: Any) -> dict[str, Any]:
+        found = terminated(3, summary("confirmed", (1, "reproduces")))
+        found["metadata"]["uid"] = "u-ours"
+        found["spec"]["containers"] = [{"name": "confirm", "image": image}]
+        found["spec"].update(more)
+        return found
+
+    def judged(p: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]] | None:
+        return confirmation.judge(pinned, p, NOW, start_seconds=600, deadline_seconds=3600)
+
+    clean = judged(ran("example.com/train:7"))  # the clean path: believed
+    assert clean is not None and clean[0] == "confirmed" and clean[3]["podUid"] == "u-ours"
+    swapped = judged(ran("evil.example.com/always-confirmed:1"))
+    assert swapped is not None and swapped[:2] == ("unknown", "PodChanged")
+    assert "images were changed" in swapped[2] and "confirm" in swapped[2]
+    debug = judged(ran("example.com/train:7", ephemeralContainers=[{"name": "dbg"}]))
+    assert debug is not None and debug[:2] == ("unknown", "PodChanged")
+    restarted = ran("example.com/train:7")
+    restarted["status"]["containerStatuses"][0]["restartCount"] = 1
+    found = judged(restarted)
+    assert found is not None and found[:2] == ("unknown", "PodChanged")
+    # The cache keeps what this is read from, for confirmation pods only.
+    full = ran("example.com/train:7", ephemeralContainers=[{"name": "dbg", "image": "x"}])
+    full["metadata"]["labels"] = {confirmation.CONFIRMATION_LABEL: "true"}
+    full["status"]["containerStatuses"][0]["restartCount"] = 2
+    kept = project_pod(full)
+    assert kept["spec"]["containers"] == [{"name": "confirm", "image": "example.com/train:7"}]
+    assert kept["spec"]["ephemeralContainers"] == [{"name": "dbg", "image": "x"}]
+    assert kept["status"]["containerStatuses"][0]["restartCount"] == 2
+    del full["metadata"]["labels"]
+    assert "containers" not in project_pod(full)["spec"]
 
 
 def test_timeouts_and_a_vanished_pod() -> None:
