@@ -138,6 +138,8 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
 def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[DrillRank]]]:
     size = request.param
     names = list(SCENARIOS)
+    if size != 3:
+        names.remove("clean")  # 200 checked steps once is enough (4 s of 11)
     results = run_drill(WORLDS[size], [SCENARIOS[n][0] for n in names])
     return size, dict(zip(names, results, strict=True))
 
@@ -152,13 +154,16 @@ def same_on_every_rank(ranks: list[DrillRank]) -> DrillRank:
 
 
 def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]]) -> None:
-    _, results = world
+    size, results = world
     for name in ("clean", "clean_defaults", "low_level_clean"):
+        if name not in results:
+            continue
         r = same_on_every_rank(results[name])
         assert r.verdicts == [], name
         assert all(r.applied)
         assert len({x.final_fingerprint for x in results[name]}) == 1
-    assert same_on_every_rank(results["clean"]).last_clean_step == list(range(1, 201))
+    if size == 3:
+        assert same_on_every_rank(results["clean"]).last_clean_step == list(range(1, 201))
     # The low-level form cannot run the replay audit (replay_every is at its default):
     # last_clean_step follows the weight check alone.
     assert same_on_every_rank(results["low_level_clean"]).last_clean_step == list(range(1, 21))
