@@ -217,8 +217,21 @@ class Actions:
 
     # -- jobs ------------------------------------------------------------------------------
 
+    def _cached_job(self, incident: dict[str, Any]) -> dict[str, Any] | None:
+        """The incident's job as the job cache has it (a projection: no pod templates), if
+        it is there under the incident's uid."""
+        ref = incident["spec"]["job"]
+        job = self.caches.job(
+            ref["apiVersion"], ref["kind"], incident["metadata"]["namespace"], ref["name"]
+        )
+        if job is None or job["metadata"].get("uid") != ref["uid"]:
+            return None
+        return job
+
     async def _job(self, incident: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """The incident's job as it is now, or (None, why not)."""
+        """The incident's job as it is now (read from the API server: the whole spec, and
+        fresh, for the effects that need its templates or move away from safety), or
+        (None, why not)."""
         ref = incident["spec"]["job"]
         namespace = incident["metadata"]["namespace"]
         plural = jobs.JOB_KINDS[(ref["apiVersion"], ref["kind"])]
@@ -239,9 +252,15 @@ class Actions:
         )
 
     async def _suspend_job(self, incident: dict[str, Any]) -> Outcome:
-        job, why = await self._job(incident)
-        if job is None:
-            return Outcome("Skipped", why)
+        # Stopping moves toward safety: read from the job cache (no API call on the
+        # containment path). A cache that says "running" costs at most a patch that changes
+        # nothing; one that says "stopped" (or lacks the job) is read again before anything
+        # is skipped, so a stale cache never leaves a job running.
+        job = self._cached_job(incident)
+        if job is None or jobs.is_suspended(job):
+            job, why = await self._job(incident)
+            if job is None:
+                return Outcome("Skipped", why)
         if jobs.is_kueue_managed(job):
             done = await self._set_workloads_active(job, False)
             if done is not None:

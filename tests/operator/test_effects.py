@@ -89,6 +89,17 @@ class FakeKube:
         }
         return await self.create("v1", "events", body["metadata"]["namespace"], body)
 
+    async def get_object(self, api_version: str, plural: str, namespace: str, name: str) -> Any:
+        return await self.get(api_version, plural, namespace, name)
+
+    async def patch_object(
+        self, api_version: str, plural: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> Any:
+        self.calls.append(("patch", plural))
+        stored = self.objects[(plural, namespace, name)]
+        stored["spec"]["runPolicy"] |= patch["spec"]["runPolicy"]
+        return self._stamp(stored)
+
     async def list_all(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append(("list", "pods"))
         return []
@@ -261,3 +272,61 @@ def test_the_job_watch_reads_pods_from_the_cache_and_says_things_once() -> None:
     assert "train-worker-0" in next(
         e["message"] for e in kube.events() if e["reason"] == "SDCPodsUnguarded"
     )
+
+
+def test_a_job_is_stopped_from_the_cache_and_a_stale_cache_never_skips_it() -> None:
+    """Stopping reads the job cache (no GET on the containment path); where the cache says
+    the job is stopped already, or lacks it, the job is read again before the stop is
+    skipped: a stale cache never leaves a job running."""
+    from sdc_operator.actions import Actions
+    from sdc_operator.settings import OperatorSettings
+
+    def running(suspend: bool) -> dict[str, Any]:
+        job = {**JOB, "spec": {"runPolicy": {"suspend": suspend}}}
+        job["metadata"] = {**JOB["metadata"], "resourceVersion": "1"}
+        return job
+
+    incident: dict[str, Any] = {
+        "metadata": {"name": "i", "namespace": "team-a", "uid": "i-uid"},
+        "spec": {"job": {k: JOB[k] for k in ("apiVersion", "kind")} | {"name": "train"}},
+    }
+    incident["spec"]["job"]["uid"] = "job-uid"
+    for cached, actual, reads in (
+        (running(False), running(False), 0),  # the common case: from the cache
+        (running(True), running(False), 1),  # stale: says stopped, is running
+        (None, running(False), 1),  # not in the cache yet
+    ):
+        kube = FakeKube()
+        kube.objects[("pytorchjobs", "team-a", "train")] = actual
+        caches = Caches(kube, ["team-a"])  # type: ignore[arg-type]
+        if cached is not None:
+            caches.jobs[("kubeflow.org/v1", "PyTorchJob")].upsert(cached)
+
+        async def quiet(*_: Any) -> None:
+            return None
+
+        actions = Actions(kube, caches, OperatorSettings(), None, quiet)  # type: ignore[arg-type]
+
+        async def stop(actions: Actions = actions) -> Any:
+            return await actions._suspend_job(incident)
+
+        outcome = asyncio.run(stop())
+        assert outcome.result == "Succeeded", outcome.message
+        assert kube.calls.count(("get", "pytorchjobs")) == reads
+        assert kube.calls.count(("patch", "pytorchjobs")) == 1
+        assert kube.objects[("pytorchjobs", "team-a", "train")]["spec"]["runPolicy"] == {
+            "suspend": True
+        }
+    # Stopped already, as the API server says too: nothing written.
+    kube = FakeKube()
+    kube.objects[("pytorchjobs", "team-a", "train")] = running(True)
+    caches = Caches(kube, ["team-a"])  # type: ignore[arg-type]
+    caches.jobs[("kubeflow.org/v1", "PyTorchJob")].upsert(running(True))
+
+    async def quiet2(*_: Any) -> None:
+        return None
+
+    actions = Actions(kube, caches, OperatorSettings(), None, quiet2)  # type: ignore[arg-type]
+    outcome = asyncio.run(actions._suspend_job(incident))
+    assert outcome.result == "Succeeded" and "already" in outcome.message
+    assert ("patch", "pytorchjobs") not in kube.calls
