@@ -466,8 +466,40 @@ def _gpus(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out[:64]
 
 
+def suspect_gpu_problem(
+    gpus: Sequence[Mapping[str, Any]], suspects: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """Why a "not reproduced" does not speak for the suspect's own GPU, or ``None``.
+
+    The suspect's GPU is found among those the confirmation ran on by its UUID where the
+    suspect's is known and the run reported any (the device plugin numbers a pod's GPUs
+    from 0, so a local rank names a GPU of this pod, not of the training pod), else by
+    local rank. Not found, or found and could not run: the run says nothing about it."""
+    problems = []
+    with_uuid = any(g.get("uuid") for g in gpus)
+    for suspect in suspects:
+        uuid = suspect.get("gpuUUID")
+        local = suspect.get("localRank")
+        if uuid and with_uuid:
+            gpu = next((g for g in gpus if g.get("uuid") == uuid), None)
+            named = f"the suspect's GPU {uuid}"
+        elif local is not None:
+            gpu = next((g for g in gpus if g.get("localRank") == local), None)
+            named = f"the suspect's GPU (local rank {local})"
+        else:
+            continue
+        if gpu is None:
+            ran = ", ".join(_describe(g) for g in gpus) or "none"
+            problems.append(f"{named} was not among those the confirmation ran on ({ran})")
+        elif gpu.get("result") == "could-not-run":
+            problems.append(f"{named} could not run: {gpu.get('why') or 'no reason given'}")
+    return "; ".join(problems) or None
+
+
 def _from_exit(
-    terminated: Mapping[str, Any], base: dict[str, Any]
+    terminated: Mapping[str, Any],
+    base: dict[str, Any],
+    suspects: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[str, str, str, dict[str, Any]]:
     """(outcome, reason, message, record) from the container's terminated state."""
     code = terminated.get("exitCode")
@@ -514,6 +546,10 @@ def _from_exit(
             record,
         )
     if outcome == "not-confirmed":
+        missed = suspect_gpu_problem(record["gpus"], suspects)
+        if missed is not None:
+            why = f"on node {base['node']}: not reproduced, but {missed}"
+            return "unknown", "SuspectGPUNotRun", why, record
         return outcome, "NotReproduced", f"on node {base['node']}: {reason}", record
     return outcome, "Inconclusive", f"on node {base['node']}: {reason}", record
 
@@ -530,12 +566,15 @@ def judge(
     *,
     start_seconds: float,
     deadline_seconds: float,
+    suspects: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[str, str, str, dict[str, Any]] | None:
     """What a running confirmation came to, as ``(outcome, reason, message, record)``
     (``record`` is the new ``status.confirmation``), or ``None`` while it still runs.
 
     ``confirmation`` is the running record; ``pod`` the pod as the cache has it (``None``:
-    not there). A pod that has not started ``start_seconds`` after it was created is given
+    not there); ``suspects`` the incident's suspects on the node (a "not reproduced" that
+    did not run on a suspect's GPU is Unknown, :func:`suspect_gpu_problem`). A pod that has
+    not started ``start_seconds`` after it was created is given
     up (unschedulable, its image, ...); one that runs past ``deadline_seconds`` (the
     kubelet stops it at ``activeDeadlineSeconds``) is a timeout.
     """
@@ -572,7 +611,7 @@ def judge(
     state = _container_state(pod)
     phase = (pod.get("status") or {}).get("phase")
     if "terminated" in state:
-        return _from_exit(state["terminated"], base)
+        return _from_exit(state["terminated"], base, suspects)
     if phase in ("Failed", "Succeeded"):  # stopped before (or without) the container
         reason = str((pod.get("status") or {}).get("reason") or "")
         message = str((pod.get("status") or {}).get("message") or reason or "no message")

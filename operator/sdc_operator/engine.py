@@ -608,6 +608,9 @@ class IncidentEngine:
             datetime.now(timezone.utc),
             start_seconds=self.settings.confirmation_start_seconds,
             deadline_seconds=self.settings.confirmation_deadline_seconds,
+            suspects=[
+                s for s in status.get("suspects") or [] if s.get("node") == running.get("node")
+            ],
         )
         return (judged, pod) if judged is not None else None
 

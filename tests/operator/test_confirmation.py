@@ -368,6 +368,51 @@ def test_a_pod_whose_image_was_patched_is_not_believed() -> None:
     assert "containers" not in project_pod(full)["spec"]
 
 
+def test_not_reproduced_counts_only_where_the_suspects_gpu_ran() -> None:
+    """The pod asks for the node's GPUs; the device plugin numbers them from 0 in the pod,
+    so the suspect's GPU is matched by its UUID: a run on other GPUs (or one where the
+    suspect's could not run) is Unknown, never a false "not confirmed"."""
+    suspect = {"localRank": 1, "gpuUUID": "GPU-1", "node": "node-b"}
+
+    def with_gpus(*gpus: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]] | None:
+        text = json.dumps(
+            {"outcome": "not-confirmed", "reason": "all equal", "dcgmi": "skipped", "gpus": gpus}
+        )
+        return confirmation.judge(
+            RUNNING,
+            terminated(0, text),
+            NOW,
+            start_seconds=600,
+            deadline_seconds=3600,
+            suspects=[suspect],
+        )
+
+    # clean path: the suspect's GPU ran (by UUID, at another index in the pod)
+    ran = with_gpus(
+        {"index": 0, "local_rank": 0, "uuid": "GPU-7", "result": "does-not-reproduce"},
+        {"index": 1, "local_rank": 1, "uuid": "GPU-1", "result": "does-not-reproduce"},
+    )
+    assert ran is not None and ran[:2] == ("not-confirmed", "NotReproduced")
+    # other GPUs than the suspect's, the local rank matching: Unknown
+    other = with_gpus(
+        {"index": 0, "local_rank": 0, "uuid": "GPU-6", "result": "does-not-reproduce"},
+        {"index": 1, "local_rank": 1, "uuid": "GPU-7", "result": "does-not-reproduce"},
+    )
+    assert other is not None and other[:2] == ("unknown", "SuspectGPUNotRun")
+    assert "the suspect's GPU GPU-1 was not among those the confirmation ran on" in other[2]
+    could_not = with_gpus(
+        {"index": 1, "local_rank": 1, "uuid": "GPU-1", "result": "could-not-run", "why": "Xid 79"}
+    )
+    assert could_not is not None and could_not[:2] == ("unknown", "SuspectGPUNotRun")
+    assert "could not run: Xid 79" in could_not[2]
+    assert could_not[3]["gpus"][0]["why"] == "Xid 79"  # the reason is kept
+    # no UUIDs reported (CUDA not initialized): by local rank
+    by_rank = with_gpus({"index": 1, "local_rank": 1, "result": "does-not-reproduce"})
+    assert by_rank is not None and by_rank[0] == "not-confirmed"
+    missing = with_gpus({"index": 0, "local_rank": 0, "result": "does-not-reproduce"})
+    assert missing is not None and missing[:2] == ("unknown", "SuspectGPUNotRun")
+
+
 def test_timeouts_and_a_vanished_pod() -> None:
     deadline = pod(
         phase="Failed",
