@@ -8,7 +8,7 @@ overlapped with the next step): it counts once they came back clean, never if on
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["CleanSteps"]
@@ -25,10 +25,18 @@ class _Candidate:
 class CleanSteps:
     """The bookkeeping behind ``Guard.last_clean_step`` (see the module docstring)."""
 
-    def __init__(self, checks: Iterable[str], start: int) -> None:
+    def __init__(
+        self,
+        checks: Iterable[str],
+        start: int,
+        on_advance: Callable[[int], None] | None = None,
+    ) -> None:
         self._verified = dict.fromkeys(checks, start)
         self._candidates: dict[int, _Candidate] = {}
         self.last = start
+        self.on_advance = on_advance
+        """Called with the new ``last`` each time a step's results advance it (not on
+        :meth:`restore`)."""
 
     def step_ended(self, step: int, vouched: dict[str, int], waiting: set[str]) -> None:
         """No check blocked ``step``; ``vouched`` is what it adds, once nothing in
@@ -61,4 +69,8 @@ class CleanSteps:
     def _count(self, vouched: dict[str, int]) -> None:
         for name, step in vouched.items():
             self._verified[name] = max(self._verified[name], step)
-        self.last = min(self._verified.values())
+        last = min(self._verified.values())
+        advanced = last > self.last
+        self.last = last
+        if advanced and self.on_advance is not None:
+            self.on_advance(last)

@@ -42,6 +42,10 @@ UNREACHABLE_POLICY_ENV = "HYPERPOD_SDC_UNREACHABLE_POLICY"
 REPORT_DEADLINE_ENV = "HYPERPOD_SDC_REPORT_DEADLINE_SECONDS"
 HEARTBEAT_EVERY_ENV = "HYPERPOD_SDC_HEARTBEAT_EVERY"
 VERDICT_REPORTERS_ENV = "HYPERPOD_SDC_VERDICT_REPORTERS"
+SNAPSHOT_COPIES_ENV = "HYPERPOD_SDC_SNAPSHOT_COPIES"
+SNAPSHOT_MEMORY_FRACTION_ENV = "HYPERPOD_SDC_SNAPSHOT_MEMORY_FRACTION"
+SNAPSHOT_WRITE_SECONDS_ENV = "HYPERPOD_SDC_SNAPSHOT_WRITE_SECONDS"
+SNAPSHOT_DIR_ENV = "HYPERPOD_SDC_SNAPSHOT_DIR"
 UNREACHABLE_POLICIES: tuple[str, ...] = ("stop", "continue")
 NODE_NAME_ENV = "NODE_NAME"
 
@@ -59,6 +63,10 @@ _ENV_OF_FIELD = {
     "report_deadline_seconds": REPORT_DEADLINE_ENV,
     "heartbeat_every": HEARTBEAT_EVERY_ENV,
     "verdict_reporters": VERDICT_REPORTERS_ENV,
+    "snapshot_copies": SNAPSHOT_COPIES_ENV,
+    "snapshot_memory_fraction": SNAPSHOT_MEMORY_FRACTION_ENV,
+    "snapshot_write_seconds": SNAPSHOT_WRITE_SECONDS_ENV,
+    "snapshot_dir": SNAPSHOT_DIR_ENV,
 }
 
 # Settings that change which collectives a rank makes, or what every rank must conclude
@@ -75,6 +83,8 @@ AGREED_FIELDS: tuple[str, ...] = (
     "replay_mode",
     "heartbeat_every",
     "verdict_reporters",
+    "snapshot_copies",
+    "snapshot_write_seconds",
 )
 
 # Every HYPERPOD_SDC_* name the agent reads, and the one the operator sets in its pods;
@@ -191,6 +201,35 @@ class GuardConfig:
     operator needs two nodes to agree, so three leave one to spare. 0: every node reports
     (as agents before this setting did). Heartbeats still come from every node."""
 
+    snapshot_copies: int = 0
+    """Verified snapshots (see :mod:`sdc_agent.snapshot`): each time ``last_clean_step``
+    advances, that step's state (model, optimizer, what :meth:`Guard.snapshot_state`
+    registered) is copied to host memory, spread over the replicas, each slice kept by
+    this many ranks on different nodes; at detection the healthy ranks write it as a
+    verified ``torch.distributed.checkpoint`` so the job resumes from ``last_clean_step``,
+    not from its last periodic checkpoint. 0: off (the default); 2: the intended setting
+    (no node's copy is trusted alone); at most the number of nodes. Host memory per rank
+    is about ``snapshot_copies / world size`` of one replica's state (env
+    ``HYPERPOD_SDC_SNAPSHOT_COPIES``)."""
+
+    snapshot_memory_fraction: float = 0.5
+    """The share of a node's available host memory (``MemAvailable``) its ranks'
+    snapshots may take, more than 0 and at most 1. Where ``snapshot_copies`` do not fit,
+    the ranks agree on fewer (or none) and warn (env
+    ``HYPERPOD_SDC_SNAPSHOT_MEMORY_FRACTION``)."""
+
+    snapshot_write_seconds: float = 20.0
+    """The deadline of the write at detection: the roll call of the ranks that write takes
+    a quarter of it, a rank waits at most half of it for the plan. Keep it inside the
+    pods' termination grace period (Kubernetes' default is 30 s) (env
+    ``HYPERPOD_SDC_SNAPSHOT_WRITE_SECONDS``)."""
+
+    snapshot_dir: str | None = None
+    """Where a snapshot is written at detection (``<dir>/sdc-snapshot-step_<k>``, a
+    directory :func:`~sdc_agent.checkpoint.select_checkpoint` finds): a shared file
+    system every rank can write. Default: the directory of the last checkpoint given to
+    :meth:`Guard.mark_checkpoint` (env ``HYPERPOD_SDC_SNAPSHOT_DIR``)."""
+
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, for drills and tests (env ``HYPERPOD_SDC_FAULTS``); see
     :mod:`sdc_agent.faults`. Empty in production."""
@@ -226,6 +265,24 @@ class GuardConfig:
         require_int("heartbeat_every", self.heartbeat_every, minimum=0, hint=" (0 turns it off)")
         require_int("verdict_reporters", self.verdict_reporters, minimum=0, hint=" (0: every node)")
         require_choice("fingerprint_backend", self.fingerprint_backend, FINGERPRINT_BACKENDS)
+        require_int("snapshot_copies", self.snapshot_copies, minimum=0, hint=" (0 turns it off)")
+        require_number(
+            "snapshot_memory_fraction",
+            self.snapshot_memory_fraction,
+            minimum=0,
+            maximum=1,
+            exclusive_minimum=True,
+        )
+        require_number(
+            "snapshot_write_seconds",
+            self.snapshot_write_seconds,
+            minimum=0,
+            exclusive_minimum=True,
+        )
+        if self.snapshot_dir is not None and (
+            not isinstance(self.snapshot_dir, str) or not self.snapshot_dir
+        ):
+            raise ConfigError(f"snapshot_dir: must be a non-empty path, got {self.snapshot_dir!r}")
         if not isinstance(self.faults, tuple) or not all(
             isinstance(f, FaultSpec) for f in self.faults
         ):
@@ -305,6 +362,19 @@ class GuardConfig:
             values["heartbeat_every"] = _parse_int(HEARTBEAT_EVERY_ENV, raw)
         if (raw := env.get(VERDICT_REPORTERS_ENV)) is not None:
             values["verdict_reporters"] = _parse_int(VERDICT_REPORTERS_ENV, raw)
+        if (raw := env.get(SNAPSHOT_COPIES_ENV)) is not None:
+            values["snapshot_copies"] = _parse_int(SNAPSHOT_COPIES_ENV, raw)
+        for name, var in (
+            ("snapshot_memory_fraction", SNAPSHOT_MEMORY_FRACTION_ENV),
+            ("snapshot_write_seconds", SNAPSHOT_WRITE_SECONDS_ENV),
+        ):
+            if (raw := env.get(var)) is not None:
+                try:
+                    values[name] = float(raw)
+                except ValueError:
+                    raise ConfigError(f"{var}: expected a number, got {raw!r}") from None
+        if (raw := env.get(SNAPSHOT_DIR_ENV)) is not None and raw.strip():
+            values["snapshot_dir"] = raw.strip()
         if (raw := env.get(FINGERPRINT_BACKEND_ENV)) is not None:
             values["fingerprint_backend"] = raw.strip()
         if (raw := env.get(FAULTS_ENV)) is not None:

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -42,6 +43,7 @@ from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
 from .reporting import CHECKS, GuardReporting
+from .snapshot import Snapshot, SnapshotWrite, StateSource
 from .startup import start_up_exchange, validate_arguments
 from .verdict import StepResult, Verdict
 from .weights import WeightFingerprints
@@ -161,6 +163,9 @@ class Guard:
         self._late: _LateFlags | None = None
         self._weight_check.overlap = self.device.type == "cuda"
         self._clean = CleanSteps((u.name for u in self._units if u.vouches), start_step)
+        self._snapshot = self._make_snapshot()
+        self.snapshot_write: SnapshotWrite | None = None
+        """What the snapshot's write at detection did (``None``: none happened)."""
 
     # -- construction ----------------------------------------------------------------------
 
@@ -240,6 +245,76 @@ class Guard:
                 seconds=self._seconds,
             )
             self._units += (self._update_check,)
+
+    def _make_snapshot(self) -> Snapshot | None:
+        if self.config.snapshot_copies == 0:
+            return None
+        snapshot = Snapshot(
+            module=self._layout.module,
+            optimizer=self.optimizer,
+            topology=self.topology,
+            group_rank=self.group_rank,
+            group=self.group,
+            comm_device=self.comm_device,
+            copies=self.config.snapshot_copies,
+            memory_fraction=self.config.snapshot_memory_fraction,
+            write_seconds=self.config.snapshot_write_seconds,
+            directory=self.config.snapshot_dir,
+            run_id=self.run_id,
+        )
+        if snapshot.copies == 0:
+            return None
+        self._clean.on_advance = self._clean_advanced
+        snapshot.take(self._state.step)  # the starting state is trusted, as a restore's
+        return snapshot
+
+    def _clean_advanced(self, step: int) -> None:
+        # The model holds the state after the previous step during a step's checks, after
+        # the current one once it was decided; an older clean step's state is gone (the
+        # snapshot keeps the older one it has, verified too).
+        held = self._state.step - 1 if self._phase == STEP else self._state.step
+        if self._snapshot is not None and held == step:
+            self._snapshot.take(step)
+
+    def snapshot_state(self, name: str, source: Any) -> None:
+        """Register what the verified snapshot keeps beside the model and the optimizer:
+        ``source`` has ``state_dict()`` (a scheduler) or is a callable returning a dict
+        (``lambda: {"step": step, "position": loader_position}``). It must be equal on
+        every rank of the data-parallel group; it is copied whole, by value, at each
+        snapshot. :func:`sdc_agent.snapshot.load_snapshot` returns it by ``name``."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name: must be a non-empty string, got {name!r}")
+        fn: StateSource = source.state_dict if hasattr(source, "state_dict") else source
+        if not callable(fn):
+            raise ConfigError(
+                f"source: {name!r} needs state_dict() or to be a callable returning a dict"
+            )
+        snapshot = self._snapshot
+        if snapshot is not None:
+            snapshot.extras[name] = fn
+            if snapshot.step == self.step_count and self._phase == IDLE:
+                snapshot.take(snapshot.step)  # the state held now, with the extra
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The verified snapshot in host memory (``None``: ``snapshot_copies`` is 0 or
+        host memory too short): :attr:`Snapshot.step`, :meth:`Snapshot.bytes_per_rank`."""
+        return self._snapshot
+
+    def _write_snapshot(self, verdicts: Sequence[Verdict]) -> None:
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.holding:
+            return
+        hardware = [v for v in verdicts if v.accuses_hardware and v.transient is not True]
+        if not hardware:
+            return
+        suspects = {r for v in hardware for r in v.suspect_ranks}
+        group_suspects = [i for i, r in enumerate(self.topology.ranks) if r.rank in suspects]
+        self.snapshot_write = snapshot.write_at_detection(
+            group_suspects, reporter=self.reporter, identity=self._reporting.identity
+        )
+        # The job is about to stop: no further step is applied, on any rank, written or not.
+        snapshot.holding = True
 
     def _warm_up(self, module: nn.Module) -> None:
         if self.config.weights_every <= 0 and not self.config.replay_enabled:
@@ -427,6 +502,9 @@ class Guard:
             settled = unit.settled()  # an exchange of the previous step, overlapped
             if settled is not None:
                 self._resolved(settled[0], unit.name, passed=settled[1])
+        if self._snapshot is not None:
+            state.hold = state.hold or self._snapshot.holding
+            self._snapshot.before_update()
         self._gate.arm(skip=skip, hold=state.hold)
         if state.hold and self.scaler is not None:
             self._let_the_scaler_keep_its_books()
@@ -573,6 +651,7 @@ class Guard:
             gradient_tolerance=self.gradient_tolerance,
             bit_reproducible=self.bit_reproducible,
         )
+        self._write_snapshot(blocking)  # after the verdicts went to the reporter
         self._phase = IDLE
         shown = (*state.late_verdicts, *verdicts)
         return StepResult(step=step, loss=loss, applied=applied, verdicts=shown)
@@ -618,6 +697,9 @@ class Guard:
         for unit in self._units:
             unit.restored(step)
         self._clean.restore(step)
+        if self._snapshot is not None:
+            self._snapshot.holding = False
+            self._snapshot.take(step)
         # The next Guard.step settles the layout first (DDPLayout.settle: DDP's buckets),
         # so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True
@@ -639,6 +721,8 @@ class Guard:
             path, step, verified=verified, reporter=self.reporter, identity=self._reporting.identity
         )
         self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
+        if self._snapshot is not None and self.config.snapshot_dir is None:
+            self._snapshot.directory = str(Path(path).resolve().parent)
         return verified
 
     def _settle_locally(self) -> None:
