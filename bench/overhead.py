@@ -18,6 +18,16 @@ resident memory sampled every 0.2 ms during an audited step and during the step 
 
     .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5] [--models mlp,gpt2]
 
+``--layout fsdp`` or ``--layout hsdp`` measures the same MLP sharded with FSDP2
+(``fully_shard`` on each Linear, then the root) on four gloo ranks on CPU: ``fsdp`` over
+one mesh dimension of 4 (4 emulated nodes of one rank, so the update check's ring covers
+every rank), ``hsdp`` over ``(replicate 2, shard 2)`` (2 emulated nodes of 2 ranks), every
+variant against plain FSDP2 in one run, as for DDP. It departs from the DDP run in: four
+ranks, not two; the MLP only (no GPT-2); Adam without ``fused`` (as FSDP2 jobs on CPU use
+it); no ``audit_memory`` (the replay there reuses FSDP2's own unsharded parameters); and
+``bound`` is one pass over the whole model's gradients (what check 1 before the
+reduce-scatter scans), against a step that also reduce-scatters and all-gathers.
+
 ``--device cuda`` runs one NCCL rank (world size 1) in this process on ``cuda:0`` (NCCL
 refuses two ranks on one GPU, so this measures the checks' own GPU cost, not the
 all-reduce; the replay audit needs other nodes and does not run). Every timed step then
@@ -120,6 +130,7 @@ def measure_variants(
     model_kind: str = "mlp",
     gpt2: dict[str, int] | None = None,
     bf16: bool = False,
+    layout: str = "ddp",
 ) -> dict[str, list[float]]:
     """Seconds per step of each variant in ``names`` (keys of :data:`VARIANTS`).
 
@@ -128,7 +139,9 @@ def measure_variants(
     """
     device = device if device is not None else torch.device("cpu")
     sync: Callable[[], object] = torch.cuda.synchronize if device.type == "cuda" else _no_sync
-    runners = _runners(names, device, batch, hidden, bucket_view, model_kind, gpt2, bf16, rank)
+    runners = _runners(
+        names, device, batch, hidden, bucket_view, model_kind, gpt2, bf16, rank, layout
+    )
     for run, _ in runners.values():  # warm-up: allocations, Adam state, kernels
         for _ in range(warmup):
             run()
@@ -155,7 +168,9 @@ def _runners(
     gpt2: dict[str, int] | None,
     bf16: bool,
     rank: int,
+    layout: str = "ddp",
 ) -> dict[str, tuple[Callable[[], object], Guard | None]]:
+    mesh = _mesh(layout, device)
     device_ids = [device.index] if device.type == "cuda" else None
     g = torch.Generator().manual_seed(rank)
     if model_kind == "gpt2":
@@ -194,10 +209,15 @@ def _runners(
             )
         else:
             net = make_model(hidden)
-        ddp = DistributedDataParallel(
-            net.to(device), device_ids=device_ids, gradient_as_bucket_view=bucket_view
-        )
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
+        ddp: nn.Module
+        if mesh is None:
+            ddp = DistributedDataParallel(
+                net.to(device), device_ids=device_ids, gradient_as_bucket_view=bucket_view
+            )
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
+        else:
+            ddp = _fully_shard(net.to(device), mesh)
+            opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
         if config is None:
 
             def plain(ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt) -> None:
@@ -214,6 +234,28 @@ def _runners(
 
             runners[name] = (guarded, guard)
     return runners
+
+
+def _mesh(layout: str, device: torch.device) -> Any:
+    """The FSDP2 mesh of ``layout`` over every rank (``None`` for DDP)."""
+    if layout == "ddp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if layout == "hsdp":
+        return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+
+
+def _fully_shard(net: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for module in net.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
 
 
 def _rss() -> int:
@@ -337,6 +379,7 @@ def worker(
     hidden: int = 2048,
     model_kind: str = "mlp",
     gpt2: dict[str, int] | None = None,
+    layout: str = "ddp",
 ) -> dict[str, Any]:
     times = measure_variants(
         names,
@@ -348,9 +391,12 @@ def worker(
         bucket_view=bucket_view,
         model_kind=model_kind,
         gpt2=gpt2,
+        layout=layout,
     )
     net = make_gpt2(**_gpt2_args(gpt2)) if model_kind == "gpt2" else make_model(hidden)
     numel = sum(p.numel() for p in net.parameters())
+    if layout != "ddp":
+        return {"times": times, "bound": one_pass_ms(numel, torch.device("cpu"))}
     memory = measure_audit_memory(
         rank=rank, batch=batch, device=torch.device("cpu"), model_kind=model_kind, gpt2=gpt2
     )
@@ -422,6 +468,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     parser.add_argument(
+        "--layout",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="ddp (2 ranks), or FSDP2 over 4 ranks: fsdp (1-D) or hsdp (replicate 2 x shard 2)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -445,6 +497,17 @@ def main() -> None:
     kinds = [k for k in args.models.split(",") if k]
     if not kinds or any(k not in ("mlp", "gpt2") for k in kinds):
         parser.error("--models: mlp, gpt2 or mlp,gpt2")
+    if args.layout != "ddp":
+        if args.device != "cpu" or args.bf16 or args.bucket_view:
+            parser.error("--layout fsdp/hsdp: CPU only, without --bf16 or --bucket-view")
+        if "gpt2" in kinds and args.models != "mlp,gpt2":
+            parser.error("--layout fsdp/hsdp: the MLP only (--models mlp)")
+        kinds = ["mlp"]
+    nodes = {
+        "ddp": ["bench-node-0", "bench-node-1"],
+        "fsdp": [f"bench-node-{i}" for i in range(4)],
+        "hsdp": ["bench-node-0", "bench-node-0", "bench-node-1", "bench-node-1"],
+    }[args.layout]
     models: dict[str, Any] = {}
     for kind in kinds:
         batch = args.gpt2_batch if kind == "gpt2" else args.batch
@@ -454,10 +517,10 @@ def main() -> None:
                 argparse.Namespace(**{**vars(args), "batch": batch}), names, kind
             )
         else:
-            ranks, backend = 2, "gloo"
+            ranks, backend = len(nodes), "gloo"
             results = spawn_local(
                 worker,
-                ["bench-node-0", "bench-node-1"],
+                nodes,
                 (
                     args.steps,
                     args.warmup,
@@ -467,6 +530,7 @@ def main() -> None:
                     args.hidden,
                     kind,
                     _gpt2_dims(args),
+                    args.layout,
                 ),
             )
             got = results[0]  # ranks run in lockstep; rank 0 is representative
@@ -493,7 +557,9 @@ def main() -> None:
         "device": args.device,
         "backend": backend,
         "ranks": ranks,
-        "optimizer": "Adam(fused=True)",
+        "layout": args.layout,
+        **({"nodes": len(set(nodes))} if args.device == "cpu" else {}),
+        "optimizer": "Adam(fused=True)" if args.layout == "ddp" else "Adam",
         "bf16_autocast": args.bf16,
         "gradient_as_bucket_view": args.bucket_view,
         "steps_per_variant": args.steps,
