@@ -45,6 +45,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointReport",
     "HeartbeatReport",
+    "ReplayKind",
     "ReporterIdentity",
     "ResumeReport",
     "Suspect",
@@ -64,6 +65,9 @@ PROTOCOL_HEADER = "Hyperpod-Sdc-Protocol"
 operator from before this header speaks version 1 only."""
 MAX_MUST_UNDERSTAND = 64
 MAX_UNREPORTED = 64
+MAX_REPLAY_KINDS = 64
+"""A heartbeat's ``replay_kinds`` holds at most this many kinds: the loss, the blind kinds,
+then the working kinds with the largest thresholds (the agent log has every kind)."""
 MAX_REPORT_BYTES = 64 * 1024
 """Largest accepted report; the agent trims evidence to fit."""
 CHECKS = ("nonfinite", "replay", "weights")
@@ -133,6 +137,23 @@ class VerdictReport:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayKind:
+    """One kind of replay evidence (the loss, or one layer's gradients) as the audit judges
+    it: in a heartbeat's ``replay_kinds``."""
+
+    kind: str
+    """``loss`` or ``gradients:<layer>``."""
+    threshold: float | None
+    """Relative differences at or below it are noise (0: compared bit for bit); ``None``:
+    the kind is blind."""
+    noise: float
+    """The largest difference taken for run-to-run noise in this kind so far (relative)."""
+    blind: bool = False
+    """The kind cannot tell a fault from noise (its noise against ``replay_cap``); the
+    other kinds keep watching."""
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatReport:
     reporter: ReporterIdentity
     sent_at: float
@@ -153,6 +174,15 @@ class HeartbeatReport:
     """Whether the audit has found the job bit-reproducible across processes."""
     run_id: str | None = None
     """As in a verdict."""
+    replay_dtype: str | None = None
+    """The dtype the replay audit's cap is for (the computation's: ``bfloat16`` under bf16
+    autocast)."""
+    replay_cap: float | None = None
+    """The largest difference rounding in ``replay_dtype`` can produce (relative): a kind
+    whose noise reaches half of it goes blind."""
+    replay_kinds: tuple[ReplayKind, ...] = ()
+    """Per kind of replay evidence, its threshold in force and learned noise (at most
+    :data:`MAX_REPLAY_KINDS`)."""
     unreported: tuple[str, ...] = ()
     """Fields this agent has but the operator does not read (left out for an older
     protocol, or ignored by the operator): what the operator does not learn from it.
@@ -336,7 +366,7 @@ _V1_FIELDS = {
     "resume": ({"step"}, {"location"}),
 }
 # Optional fields added since version 1, per kind.
-_ADDED_SINCE_V1 = {"heartbeat": {"unreported"}}
+_ADDED_SINCE_V1 = {"heartbeat": {"unreported", "replay_dtype", "replay_cap", "replay_kinds"}}
 _FIELDS = {
     kind: (required, optional | _ADDED_SINCE_V1.get(kind, set()))
     for kind, (required, optional) in _V1_FIELDS.items()
@@ -427,6 +457,9 @@ def parse_report(
             gradient_tolerance=_opt_num(d.get("gradient_tolerance"), "gradient_tolerance"),
             bit_reproducible=_bool(d.get("bit_reproducible"), "bit_reproducible", nullable=True),
             run_id=_run_id(d.get("run_id")),
+            replay_dtype=_str(d.get("replay_dtype"), "replay_dtype", limit=32, nullable=True),
+            replay_cap=_opt_num(d.get("replay_cap"), "replay_cap"),
+            replay_kinds=_replay_kinds(d.get("replay_kinds"), unknown),
             unreported=_unreported(d.get("unreported")),
             version=version,
         )
@@ -502,6 +535,30 @@ def _must_understand(value: Any) -> frozenset[str]:
     if value is None:
         return frozenset()
     return frozenset(_names(value, "must_understand", MAX_MUST_UNDERSTAND))
+
+
+def _replay_kinds(value: Any, unknown: list[str] | None) -> tuple[ReplayKind, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ProtocolError("replay_kinds", f"must be an array, got {_kind(value)}")
+    if len(value) > MAX_REPLAY_KINDS:
+        raise ProtocolError("replay_kinds", f"has more than {MAX_REPLAY_KINDS} entries")
+    out = []
+    for i, item in enumerate(value):
+        path = f"replay_kinds[{i}]"
+        d = _obj(item, path, {"kind", "threshold", "noise"}, {"blind"}, unknown)
+        out.append(
+            ReplayKind(
+                kind=_req_str(d["kind"], f"{path}.kind", _MAX_NAME),
+                threshold=_opt_num(d["threshold"], f"{path}.threshold"),
+                noise=_num(d["noise"], f"{path}.noise"),
+                blind=bool(_bool(d.get("blind", False), f"{path}.blind")),
+            )
+        )
+    if len({k.kind for k in out}) != len(out):
+        raise ProtocolError("replay_kinds", "names a kind more than once")
+    return tuple(out)
 
 
 def _unreported(value: Any) -> tuple[str, ...]:
@@ -607,8 +664,10 @@ _OMITTED_WHEN_NULL = (
     "fingerprint_kernel",
     "gradient_tolerance",
     "bit_reproducible",
+    "replay_dtype",
+    "replay_cap",
 )
-_OMITTED_WHEN_EMPTY = ("unreported",)
+_OMITTED_WHEN_EMPTY = ("unreported", "replay_kinds")
 
 
 def encode_report(
@@ -752,6 +811,23 @@ def report_schema() -> dict[str, Any]:
                     "gradient_tolerance": {"type": ["number", "null"], "minimum": 0},
                     "bit_reproducible": {"type": ["boolean", "null"]},
                     "run_id": run_id,
+                    "replay_dtype": {"type": ["string", "null"], "minLength": 1, "maxLength": 32},
+                    "replay_cap": {"type": ["number", "null"], "minimum": 0},
+                    "replay_kinds": {
+                        "type": "array",
+                        "maxItems": MAX_REPLAY_KINDS,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["kind", "threshold", "noise"],
+                            "properties": {
+                                "kind": name,
+                                "threshold": {"type": ["number", "null"], "minimum": 0},
+                                "noise": {"type": "number", "minimum": 0},
+                                "blind": {"type": "boolean"},
+                            },
+                        },
+                    },
                     "unreported": {
                         "type": "array",
                         "maxItems": MAX_UNREPORTED,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdc_common.protocol import HeartbeatReport
+from sdc_common.protocol import HeartbeatReport, ReplayKind
 
 from .incidents import JobRef
 from .metrics import Metrics
@@ -40,6 +40,8 @@ class _NodeBeat:
     tolerance: float | None
     reproducible: bool | None
     interval: float | None
+    cap: float | None = None
+    kinds: tuple[ReplayKind, ...] = ()
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Heartbeats:
             report.gradient_tolerance,
             report.bit_reproducible,
             interval,
+            report.replay_cap,
+            report.replay_kinds,
         )
         beats.last = now
         if interval:
@@ -170,6 +174,32 @@ class Heartbeats:
             verdicts = [b.reproducible for b in recent if b.reproducible is not None]
             if verdicts:
                 self._set("bit_reproducible", job, float(all(verdicts)))
+            self._replay_kinds(job, recent)
+
+    def _replay_kinds(self, job: tuple[str, str], recent: list[_NodeBeat]) -> None:
+        """Per kind of replay evidence: threshold and noise (largest over the nodes), blind
+        where any node's is (its threshold gauge removed)."""
+        caps = [b.cap for b in recent if b.cap is not None]
+        if caps:
+            self._set("replay_noise_cap", job, max(caps))
+        kinds: dict[str, tuple[float | None, float, bool]] = {}
+        for b in recent:
+            for k in b.kinds:
+                t, n, blind = kinds.get(k.kind, (0.0, 0.0, False))
+                blind = blind or k.blind or k.threshold is None
+                threshold = None if blind else max(t or 0.0, k.threshold or 0.0)
+                kinds[k.kind] = (threshold, max(n, k.noise), blind)
+        shown = self._labels.get("replay_threshold", set())
+        for name, (threshold, noise, blind) in kinds.items():
+            labels = (*job, name)
+            if threshold is None:
+                if labels in shown:
+                    self.metrics.replay_threshold.remove(*labels)
+                    shown.discard(labels)
+            else:
+                self._set("replay_threshold", labels, threshold)
+            self._set("replay_noise", labels, noise)
+            self._set("replay_blind", labels, float(blind))
 
     def describe(self, beats: JobBeats, floor: float) -> dict[str, Any]:
         return {

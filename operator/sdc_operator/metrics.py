@@ -161,6 +161,35 @@ class Metrics:
             _JOB,
             registry=r,
         )
+        self.replay_threshold = Gauge(
+            "hyperpod_sdc_replay_threshold",
+            "The replay audit's threshold in force per kind of evidence (loss, "
+            "gradients:<layer>; relative, 0: compared bit for bit; largest over the nodes; "
+            "absent while the kind is blind).",
+            [*_JOB, "kind"],
+            registry=r,
+        )
+        self.replay_noise = Gauge(
+            "hyperpod_sdc_replay_noise",
+            "The replay audit's learned run-to-run noise per kind of evidence (relative, "
+            "largest over the nodes): against hyperpod_sdc_replay_noise_cap.",
+            [*_JOB, "kind"],
+            registry=r,
+        )
+        self.replay_noise_cap = Gauge(
+            "hyperpod_sdc_replay_noise_cap",
+            "The most rounding in the audited computation's dtype can produce (relative): "
+            "a kind whose noise reaches half of it goes blind.",
+            _JOB,
+            registry=r,
+        )
+        self.replay_blind = Gauge(
+            "hyperpod_sdc_replay_blind",
+            "1 for a kind of replay evidence that cannot tell a fault from noise on some "
+            "node (the other kinds keep watching), else 0.",
+            [*_JOB, "kind"],
+            registry=r,
+        )
         self.confirmations = Counter(
             "hyperpod_sdc_confirmations",
             "Confirmation runs ended, by outcome: confirmed (the fault came back on a GPU of "

@@ -650,6 +650,7 @@ class Guard:
             fingerprint_kernel=self.fingerprint_kernel,
             gradient_tolerance=self.gradient_tolerance,
             bit_reproducible=self.bit_reproducible,
+            noise=self._audit.noise,
         )
         self._write_snapshot(blocking)  # after the verdicts went to the reporter
         self._phase = IDLE

@@ -140,6 +140,23 @@ class NoiseModel:
         """Per kind, the largest tolerance in force (``None``: blind)."""
         return {k.name: None if k.blind else k.largest for k in self.kinds}
 
+    def in_force(self, most: int) -> list[tuple[str, float | None, float, bool]]:
+        """Per kind ``(name, threshold, noise measured, blind)``, for heartbeats: at most
+        ``most`` kinds, the loss first, then the blind kinds, then the working kinds with
+        the largest thresholds (in kind order within each)."""
+        rows = [
+            (k.name, None if k.blind else k.largest, k.measured, k.blind is not None)
+            for k in self.kinds
+        ]
+        loss, rest = rows[:1], rows[1:]
+        blind = [r for r in rest if r[3]]
+        working = [r for r in rest if not r[3]]
+        keep = {
+            id(r)
+            for r in sorted(working, key=lambda r: -(r[1] or 0.0))[: max(0, most - 1 - len(blind))]
+        }
+        return (loss + blind + [r for r in working if id(r) in keep])[:most]
+
     def count(self, comparisons: Iterable[Comparison]) -> None:
         for c in comparisons:
             self.compared += 1

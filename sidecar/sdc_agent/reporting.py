@@ -20,10 +20,13 @@ import torch.distributed as dist
 from .config import GuardConfig
 from .election import elect_reporters
 from .errors import ConfigError, ProtocolError
+from .judging import NoiseModel
 from .protocol import (
     MAX_MESSAGE,
+    MAX_REPLAY_KINDS,
     MAX_SUSPECTS,
     HeartbeatReport,
+    ReplayKind,
     ReporterIdentity,
     ResumeReport,
     Suspect,
@@ -104,9 +107,11 @@ class GuardReporting:
         fingerprint_kernel: str,
         gradient_tolerance: float | None,
         bit_reproducible: bool | None,
+        noise: NoiseModel | None = None,
     ) -> None:
         """Report the step's verdicts (where this node is elected) and, when due, the
-        heartbeat."""
+        heartbeat (with the replay audit's thresholds per kind from ``noise``, once it
+        audited)."""
         if self.reporter is None:
             return
         now = time.time()
@@ -116,6 +121,9 @@ class GuardReporting:
         every = self.config.heartbeat_every
         if every and step % every == 0:
             tick = time.monotonic()
+            kinds: tuple[ReplayKind, ...] = ()
+            if noise is not None and noise.bit_reproducible is not None:
+                kinds = tuple(ReplayKind(*row) for row in noise.in_force(MAX_REPLAY_KINDS))
             self.reporter.submit(
                 HeartbeatReport(
                     reporter=self.identity,
@@ -127,6 +135,9 @@ class GuardReporting:
                     fingerprint_kernel=fingerprint_kernel,
                     gradient_tolerance=gradient_tolerance,
                     bit_reproducible=bit_reproducible,
+                    replay_dtype=noise.dtype if kinds and noise else None,
+                    replay_cap=noise.cap if kinds and noise else None,
+                    replay_kinds=kinds,
                     run_id=self.run_id,
                 )
             )

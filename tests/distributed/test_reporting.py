@@ -177,5 +177,9 @@ def test_three_elected_nodes_report_a_verdict_and_every_node_its_heartbeat() -> 
     beat = heartbeats[0]
     assert beat.fingerprint_kernel == "eager"
     assert beat.bit_reproducible is True and beat.gradient_tolerance == 0.0
+    # per kind: the loss first, every kind compared bit for bit, none blind, fp32's cap
+    assert beat.replay_kinds[0].kind == "loss" and len(beat.replay_kinds) > 2
+    assert {(k.threshold, k.noise, k.blind) for k in beat.replay_kinds} == {(0.0, 0.0, False)}
+    assert beat.replay_dtype == "float32" and beat.replay_cap is not None
     assert beat.interval_seconds is not None and beat.interval_seconds > 0
     assert all(v.corroborated is True and v.transient is False for v in verdicts)

@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import Callable
 
-from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_agent.protocol import HeartbeatReport, ReplayKind, ReporterIdentity, encode_report
 
 from .cluster import Cluster, OperatorProcess, post, wait_for
 from .test_containment import Job, make_job
@@ -34,6 +34,13 @@ def beat(job: Job, i: int, step: int) -> bytes:
             fingerprint_kernel="eager",
             gradient_tolerance=1e-4,
             bit_reproducible=False,
+            replay_dtype="bfloat16",
+            replay_cap=2**-7,
+            replay_kinds=(
+                ReplayKind("loss", 0.0, 0.0),
+                ReplayKind("gradients:3", None, 6.7e-3, True),
+                ReplayKind("gradients:5", 1e-4, 5e-5),
+            ),
         )
     )
 
@@ -68,6 +75,11 @@ def test_heartbeats_cost_no_api_call_become_metrics_and_silence_is_told(
         sample("hyperpod_sdc_fingerprint_kernel_nodes", "3.0", kernel="eager"),
         sample("hyperpod_sdc_gradient_tolerance", "0.0001"),
         sample("hyperpod_sdc_bit_reproducible", "0.0"),
+        sample("hyperpod_sdc_replay_threshold", "0.0001", kind="gradients:5"),
+        sample("hyperpod_sdc_replay_threshold", "0.0", kind="loss"),
+        sample("hyperpod_sdc_replay_blind", "1.0", kind="gradients:3"),
+        sample("hyperpod_sdc_replay_noise", "0.0067", kind="gradients:3"),
+        sample("hyperpod_sdc_replay_noise_cap", "0.0078125"),
         sample("hyperpod_sdc_reporting_nodes", "3.0"),
     ]
     metrics = op.metrics()

@@ -81,7 +81,8 @@ def reports(module: Any) -> list[Any]:
 def plain(report: Any) -> dict[str, Any]:
     body = dataclasses.asdict(report)
     body.pop("version")
-    body.pop("unreported", None)
+    for added in ("unreported", "replay_dtype", "replay_cap", "replay_kinds"):  # since v1
+        body.pop(added, None)
     return body
 
 

@@ -155,6 +155,15 @@ def test_each_layer_is_a_kind_and_noise_in_one_never_hides_another() -> None:
         "gradients:3": None,
         "gradients:5": 0.0,
     }
+    # What a heartbeat carries: the loss, the blind kinds, then the noisiest working ones.
+    model.kinds[3].job = 1e-3
+    assert model.in_force(3) == [
+        ("loss", 0.0, 0.0, False),
+        ("gradients:3", None, c_noise.kinds[2].rel, True),
+        ("gradients:5", 1e-3, 0.0, False),
+    ]
+    assert len(model.in_force(64)) == 4 and model.in_force(1)[0][0] == "loss"
+    model.kinds[3].job = 0.0
     ring = {0: 1, 1: 2, 2: 0}
     flagged = split_by_kind(model, {0: c_noise, 1: c_fault, 2: c_noise}, ring)
     assert flagged == {3: [1]}, "the blind layer says nothing, the faulty layer speaks"

@@ -321,3 +321,47 @@ def test_bad_optional_heartbeat_fields_are_named(change: dict[str, Any], field: 
     with pytest.raises(ProtocolError) as caught:
         parse_report(json.dumps(dict(HEARTBEAT, **change)))
     assert caught.value.field == field
+
+
+REPLAY_KINDS = [
+    {"kind": "loss", "threshold": 0.0, "noise": 0.0, "blind": False},
+    {"kind": "gradients:3", "threshold": None, "noise": 0.0067, "blind": True},
+    {"kind": "gradients:5", "threshold": 0.0021, "noise": 0.0019, "blind": False},
+]
+
+
+def test_the_replay_audits_thresholds_per_kind_round_trip_in_version_2() -> None:
+    doc = dict(
+        HEARTBEAT,
+        version=2,
+        replay_dtype="bfloat16",
+        replay_cap=2**-7,
+        replay_kinds=REPLAY_KINDS,
+    )
+    report = parse_report(json.dumps(doc))
+    assert isinstance(report, HeartbeatReport)
+    assert [k.kind for k in report.replay_kinds if k.blind] == ["gradients:3"]
+    assert json.loads(encode_report(report)) == doc
+    jsonschema.validate(doc, report_schema())
+    left_out: list[str] = []
+    old = json.loads(encode_report(report, version=1, left_out=left_out))
+    assert sorted(left_out) == ["replay_cap", "replay_dtype", "replay_kinds"]
+    assert old == dict(HEARTBEAT)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "field"),
+    [
+        ({"loss": 0}, "replay_kinds"),
+        ([{"kind": "loss", "threshold": -1, "noise": 0}], "replay_kinds[0].threshold"),
+        ([{"kind": "loss", "threshold": 0}], "replay_kinds[0].noise"),
+        ([{"kind": "", "threshold": 0, "noise": 0}], "replay_kinds[0].kind"),
+        ([{"kind": "loss", "threshold": 0, "noise": 0, "blind": 1}], "replay_kinds[0].blind"),
+        ([{"kind": "loss", "threshold": 0, "noise": 0}] * 2, "replay_kinds"),
+        ([{"kind": f"k{i}", "threshold": 0, "noise": 0} for i in range(65)], "replay_kinds"),
+    ],
+)
+def test_bad_replay_kinds_are_named(kinds: Any, field: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_report(json.dumps(dict(HEARTBEAT, version=2, replay_kinds=kinds)))
+    assert caught.value.field == field
