@@ -78,6 +78,8 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
         faults = (
             FaultSpec(rank=SUSPECT, step=10, site="grad_local", kind="relative", persistent=True),
         )
+    elif mode == "transient":  # a glitch at an audited step: held, not applied
+        faults = (FaultSpec(rank=SUSPECT, step=CAUGHT, site="grad_local", kind="relative"),)
     config = GuardConfig(
         replay_every=4,
         weights_every=4,
@@ -107,7 +109,7 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
                 {"model": net.state_dict(), "optimizer": optimizer.state_dict()},
                 Path(root) / f"clean_{CLEAN}.pt",
             )
-        if verdicts:
+        if verdicts and mode != "transient":
             break
     snapshot = guard.snapshot
     out = {
@@ -171,3 +173,13 @@ def test_a_persistent_fault_costs_one_audit_interval(tmp_path: Path) -> None:
     assert len({r["digest"] for r in resized}) == 1
     assert {r["digest"] for r in resumed} == {resized[0]["digest"]}
     assert resized[0]["digest"] != clean[0]["digest"]  # the size change mattered
+
+
+def test_a_transient_fault_writes_nothing_and_holds_nothing(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    ranks = spawn_local(_train, FOUR, (root, "transient", 0))
+    v = ranks[0]["verdicts"]
+    assert v and v[0]["step"] == CAUGHT and v[0]["transient"] is True, v
+    assert all(r["write"] is None for r in ranks)  # no snapshot, so no restart from one
+    assert list(tmp_path.iterdir()) == []
+    assert all(r["last_clean_step"] == STEPS for r in ranks)  # training went on, clean
