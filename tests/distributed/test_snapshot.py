@@ -73,7 +73,7 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
     def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return nn.functional.mse_loss(m(batch[0]), batch[1])
 
-    faults = ()
+    faults: tuple[FaultSpec, ...] = ()
     if mode == "fault":
         faults = (
             FaultSpec(rank=SUSPECT, step=10, site="grad_local", kind="relative", persistent=True),
@@ -96,7 +96,7 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
     if mode == "fault" and rank == LOST:
         snapshot = guard.snapshot
         assert snapshot is not None
-        snapshot.write_at_detection = lambda *a, **k: None  # type: ignore[method-assign]
+        snapshot.write_at_detection = lambda *a, **k: None  # type: ignore[method-assign, assignment]
     verdicts: list[dict[str, Any]] = []
     for step in range(start + 1, STEPS + 1):
         g = torch.Generator().manual_seed(step * 101 + rank)
