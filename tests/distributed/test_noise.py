@@ -17,9 +17,9 @@ from sdc_agent.faults import FaultSpec
 
 from .drills import accusations, agreed, run_scenarios
 
-# slow: long runs under emulated noise (setup about 90 s on 2 cores). timing: detection
-# under noise is probabilistic; each test states its odds where it asserts them.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timing]
+# slow: long runs under emulated noise (setup about 90 s on 2 cores). Not timing: the drill's
+# noise comes from a generator seeded per rank, so what is detected does not depend on load.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n1", "n2"]
 SUSPECT = 1
