@@ -21,18 +21,26 @@ from .test_containment import incident_in, make_job, verdict
 
 
 def as_previous(report: Report) -> Any:
-    """The same report, built by the previous release's agent."""
-    values = {
-        f.name: getattr(report, f.name)
-        for f in dataclasses.fields(report)
-        if f.name not in ("kind", "version", "unreported")
-    }
+    """The same report, built by the previous release's agent: the fields it has (those added
+    since must be unset: that agent could not send them)."""
+    cls = getattr(previous, type(report).__name__)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for f in dataclasses.fields(report):
+        if f.name in ("kind", "version", "unreported"):
+            continue
+        if f.name in known:
+            values[f.name] = getattr(report, f.name)
+        else:
+            assert getattr(report, f.name) == f.default, (
+                f"{f.name} is new since the previous release"
+            )
     values["reporter"] = previous.ReporterIdentity(**dataclasses.asdict(report.reporter))
     if "suspects" in values:
         values["suspects"] = tuple(
             previous.Suspect(**dataclasses.asdict(s)) for s in values["suspects"]
         )
-    return getattr(previous, type(report).__name__)(**values)
+    return cls(**values)
 
 
 def beat(job: Any, reporter: int) -> HeartbeatReport:
