@@ -543,6 +543,18 @@ class Actions:
             if holder != ref:
                 message = f"node {node_name} is held by incident {holder} now; left as it is"
                 return _released("Skipped", message)
+            # Another open incident quarantined this node too (two jobs on one node, or one
+            # job caught twice): this incident's release must not undo that quarantine.
+            others = nodes.holders(node_name, ref, self.caches.incidents.values())
+            if others:
+                await self._patch_node(
+                    node_name, node, lambda n: nodes.hand_over_patch(n, others[0])
+                )
+                message = (
+                    f"node {node_name} stays quarantined: incident(s) {', '.join(others)} "
+                    f"quarantined it too and are not released; it is held by {others[0]} now"
+                )
+                return _released("Skipped", message)
             written = await self._patch_node(node_name, node, nodes.release_patch)
         after = written or node
         kept = " (still cordoned: cordoned before the incident, or by someone else since)"

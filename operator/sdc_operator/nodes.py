@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from .names import (
@@ -22,6 +23,8 @@ __all__ = [
     "FIELD_MANAGER",
     "cordoned_by_others",
     "health_label_patch",
+    "holders",
+    "hand_over_patch",
     "instance_id_from_node_name",
     "instance_id_from_provider_id",
     "is_quarantined_for",
@@ -125,6 +128,51 @@ def release_patch(node: dict[str, Any]) -> dict[str, Any] | None:
     if spec.get("unschedulable") is True and not keep_cordon:
         patch_spec["unschedulable"] = None
     return {"metadata": patch_meta, "spec": patch_spec}
+
+
+def holders(node_name: str, incident: str, others: Iterable[dict[str, Any]]) -> list[str]:
+    """The other incidents (``<namespace>/<name>``) that still hold ``node_name``
+    quarantined: each quarantined it (``quarantine-node`` succeeded) and has neither been
+    released after review nor given the node up (a ``release-node`` with a result). A
+    release by one of them must leave the node quarantined for the rest: the node's
+    annotation names one incident only (the last to quarantine it), and which incident a
+    person releases first is theirs to choose."""
+    held = []
+    for other in others:
+        meta = other.get("metadata") or {}
+        ref = f"{meta.get('namespace')}/{meta.get('name')}"
+        if ref == incident or meta.get("deletionTimestamp"):
+            continue
+        status = other.get("status") or {}
+        if status.get("phase") == "Released":
+            continue
+        quarantined = released = False
+        for entry in status.get("actions") or []:
+            if entry.get("target") != node_name:
+                continue
+            if entry.get("action") == "quarantine-node" and entry.get("result") == "Succeeded":
+                quarantined = True
+            if entry.get("action") == "release-node" and entry.get("result") not in (
+                None,
+                "Pending",
+                "Failed",
+            ):
+                released = True
+        if quarantined and not released:
+            held.append(ref)
+    return sorted(held)
+
+
+def hand_over_patch(node: dict[str, Any], incident: str) -> dict[str, Any] | None:
+    """Name ``incident`` as the node's holder (the annotation), the quarantine kept as it
+    is, under the read's ``resourceVersion``; ``None`` where it is named already."""
+    meta = node.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(INCIDENT_ANNOTATION) == incident:
+        return None
+    patch_meta: dict[str, Any] = {"annotations": {INCIDENT_ANNOTATION: incident}}
+    if meta.get("resourceVersion"):
+        patch_meta["resourceVersion"] = meta["resourceVersion"]
+    return {"metadata": patch_meta}
 
 
 HEALTH_LABEL_VALUES = {

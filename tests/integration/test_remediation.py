@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
-from sdc_operator.names import SUSPECT_KEY
+from sdc_operator.names import INCIDENT_ANNOTATION, SUSPECT_KEY
 
 from .cluster import Cluster, OperatorProcess, wait_for
 from .fake_sagemaker import FakeSageMaker
@@ -175,11 +175,58 @@ def test_release_restores_the_node_exactly(
 
     before = shape(cluster.get_node(suspect))
     op = start_operator()
-    contain(cluster, op, job)
-    incident = incident_in(cluster, namespace, "Contained")
-    assert shape(cluster.get_node(suspect)) != before
-    annotate(cluster, incident, "release")
-    incident = phase(cluster, namespace, "Released")
+    # The job caught twice before its suspension lands (step 15, then 25): two incidents
+    # quarantine one node; the node's annotation names the later one.
+    for step in (15, 25):
+
+        def report(reporter: int, step: int = step) -> VerdictReport:
+            return verdict(job, reporter, step=step)
+
+        contain(cluster, op, job, report)
+
+    def both_contained() -> list[dict[str, Any]] | None:
+        found = [
+            i
+            for i in cluster.incidents(namespace)
+            if i["status"].get("phase") == "Contained"
+            and any(c["type"] == "Resumed" for c in i["status"].get("conditions") or [])
+        ]
+        return found if len(found) == 2 else None
+
+    first, second = wait_for("both incidents contained", both_contained)
+    annotation = cluster.get_node(suspect)["metadata"]["annotations"][INCIDENT_ANNOTATION]
+    holder, other = (
+        (first, second) if annotation.endswith("/" + first["metadata"]["name"]) else (second, first)
+    )
+    # A person releases the incident the node names first; the other still holds it: the
+    # node stays quarantined, and is named for the other now (the release used to undo the
+    # other incident's quarantine: the node came back to the scheduler).
+    annotate(cluster, holder, "release")
+    released = wait_for(
+        "the first release",
+        lambda: next(
+            (
+                i
+                for i in cluster.incidents(namespace)
+                if i["metadata"]["name"] == holder["metadata"]["name"]
+                and i["status"].get("phase") == "Released"
+            ),
+            None,
+        ),
+    )
+    entry = next(a for a in released["status"]["actions"] if a["action"] == "release-node")
+    assert entry["result"] == "Skipped" and "stays quarantined" in entry["message"], entry
+    node = cluster.get_node(suspect)
+    assert node["spec"].get("unschedulable") is True
+    assert node["metadata"]["labels"][SUSPECT_KEY] == "true"
+    other_ref = f"{namespace}/{other['metadata']['name']}"
+    assert node["metadata"]["annotations"][INCIDENT_ANNOTATION] == other_ref
+    # Released last, the node is given back exactly as it was.
+    annotate(cluster, other, "release")
+    wait_for(
+        "both released",
+        lambda: all(i["status"].get("phase") == "Released" for i in cluster.incidents(namespace)),
+    )
     assert shape(cluster.get_node(suspect)) == before
 
 

@@ -20,7 +20,9 @@ from sdc_operator.jobs import (
     workload_active_patch,
 )
 from sdc_operator.nodes import (
+    hand_over_patch,
     health_label_patch,
+    holders,
     instance_id_from_node_name,
     instance_id_from_provider_id,
     quarantine_patch,
@@ -266,6 +268,37 @@ def test_release_leaves_a_node_cordoned_before_as_it_was() -> None:
         again is not None
         and "hyperpod-sdc.dev/was-cordoned" not in again["metadata"]["annotations"]
     )
+
+
+def _holding(name: str, *actions: tuple[str, str], phase: str = "Contained") -> dict[str, Any]:
+    entries = [{"action": a, "target": "n1", "result": r} for a, r in actions]
+    return {
+        "metadata": {"namespace": "team", "name": name},
+        "status": {"phase": phase, "actions": entries},
+    }
+
+
+def test_a_node_is_held_by_every_open_incident_that_quarantined_it() -> None:
+    quarantined = ("quarantine-node", "Succeeded")
+    others = [
+        _holding("a", quarantined),
+        _holding("b", quarantined, ("release-node", "Skipped")),  # gave it up
+        _holding("c", quarantined, phase="Released"),
+        _holding("d", ("quarantine-node", "Skipped")),  # the cap: never quarantined it
+        _holding("e", quarantined, ("release-node", "Pending")),  # releasing: still holds
+        _holding("f", quarantined, phase="Remediated"),  # replacement asked: still holds
+        _holding("me", quarantined),
+    ]
+    assert holders("n1", "team/me", others) == ["team/a", "team/e", "team/f"]
+    assert holders("n2", "team/me", others) == []
+    node = apply(NODE, quarantine_patch(NODE, "team/me") or {})
+    handed = apply(node, hand_over_patch(node, "team/a") or {})
+    assert handed["metadata"]["annotations"]["hyperpod-sdc.dev/incident"] == "team/a"
+    assert (
+        handed["spec"] == node["spec"]
+        and handed["metadata"]["labels"] == node["metadata"]["labels"]
+    )
+    assert hand_over_patch(handed, "team/a") is None
 
 
 def test_health_label_asks_hyperpod_to_act() -> None:
