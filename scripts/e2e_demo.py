@@ -1,6 +1,6 @@
 """End to end on one machine: a training job with a corrupting GPU is detected, localized,
-contained and resumed from a clean checkpoint, and finishes with exactly the weights of a
-run without the fault.
+contained and resumed from the verified snapshot of its last clean step, and finishes with
+exactly the weights of a run without the fault.
 
     .venv/bin/python scripts/e2e_demo.py [--json result.json] [--keep DIR]
 
@@ -35,7 +35,11 @@ reference), then the same job with the fault, under the remediation policy
 ``auto-replace-confirmed``: detected, contained, resumed, confirmed on the faulty node
 (``Confirmed=True`` naming its GPU) and replaced (one ``BatchReplaceClusterNodes``); the
 same bundle recomputed on a healthy node (a second confirmation pod the demo makes by hand)
-is not confirmed. Exit status 0 only if everything happened.
+is not confirmed. The job audits every 10 steps and writes a periodic checkpoint every
+30: the fault from step 43 is caught at step 50, the healthy ranks write the snapshot of
+the last clean step 40 as a verified checkpoint, and the job resumes from step 40, not from
+the periodic checkpoint of step 30; the demo prints the work lost (at most one audit
+interval). Exit status 0 only if everything happened.
 """
 
 from __future__ import annotations
@@ -69,9 +73,11 @@ OPERATOR_NAMESPACE = "hyperpod-sdc"
 RANKS_PER_POD = 2
 REPLICAS = 3
 STEPS = 60
-INTERVAL = 10  # replay audit, weight check and checkpoints, every INTERVAL steps
-FAULT_STEP = 23
+INTERVAL = 10  # the replay audit and the weight check, every INTERVAL steps (replay_every)
+CHECKPOINT_EVERY = 30  # periodic checkpoints: longer than the audit interval, as in practice
+FAULT_STEP = 43  # caught by the audit of step 50; last clean step 40; periodic checkpoint 30
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
+GRACE_SECONDS = 30  # the pods' termination grace period (Kubernetes' default)
 TRAINING_OPERATOR = ("kubeflow", "training-operator")  # its namespace and ServiceAccount
 CLUSTER = "demo-cluster"  # the HyperPod cluster (the nodes' sagemaker.amazonaws.com/cluster-name)
 POLICY = "auto-replace-confirmed"
@@ -80,6 +86,9 @@ SECOND_OPINION_LABEL = "demo.hyperpod-sdc.dev/second-opinion"
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
     "HYPERPOD_SDC_WEIGHTS_EVERY": str(INTERVAL),
+    # the verified snapshot of the last clean step, each slice kept on two nodes, written
+    # as a checkpoint at the detection (examples/train.py turns it on by default too)
+    "HYPERPOD_SDC_SNAPSHOT_COPIES": "2",
     "HYPERPOD_SDC_FINGERPRINT_BACKEND": "eager",  # no compiler warm-up on CPU
 }
 
@@ -397,7 +406,7 @@ class Runner:
                             "--checkpoint-dir",
                             str(self.work / "ckpt"),
                             "--checkpoint-every",
-                            str(INTERVAL),
+                            str(CHECKPOINT_EVERY),
                             "--result-file",
                             str(self.work / "result.json"),
                         ],
@@ -458,10 +467,17 @@ class Runner:
         )
 
     def stop(self) -> None:
+        """As the kubelet stops a pod: SIGTERM, then SIGKILL after the grace period."""
         for proc in self.procs:
             if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+                proc.wait()
         self.procs = []
         for pod in self.pods():
             self.server.core.delete_namespaced_pod(pod, NAMESPACE, grace_period_seconds=0)
@@ -820,6 +836,56 @@ def milestones(incident: dict[str, Any]) -> list[tuple[str, str]]:
     return reached
 
 
+def checkpoints_in(directory: Path) -> list[dict[str, Any]]:
+    """The checkpoints the job marked (``<name>.sdc.json``), oldest first: periodic ones
+    and the verified snapshot written at a detection."""
+    found = []
+    for marker in directory.glob("*.sdc.json") if directory.is_dir() else ():
+        data = json.loads(marker.read_text())
+        name = marker.name[: -len(".sdc.json")]
+        found.append(
+            {
+                "name": name,
+                "step": int(data["step"]),
+                "verified": data["verified"] is True,
+                "snapshot": name.startswith("sdc-snapshot-step_"),
+            }
+        )
+    return sorted(found, key=lambda c: (c["step"], c["name"]))
+
+
+def lost_work(incident: dict[str, Any], checkpoints: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps lost to the incident: from its resume step to its detection step, as the
+    operator records them (``status.lostWork``) or, where it does not, derived from
+    ``spec.detectionStep`` and ``status.resumedFromStep``; and what resuming from the last
+    periodic verified checkpoint before the detection would have lost."""
+    spec, status = incident["spec"], incident.get("status") or {}
+    detection = int(spec["detectionStep"])
+    resume = status.get("resumedFromStep")
+    periodic = max(
+        (
+            c["step"]
+            for c in checkpoints
+            if c["verified"] and not c["snapshot"] and c["step"] <= detection
+        ),
+        default=0,
+    )
+    out: dict[str, Any] = {
+        "detection_step": detection,
+        "resume_step": resume,
+        "last_periodic_checkpoint": periodic,
+        "steps_from_periodic_checkpoint": detection - periodic,
+    }
+    recorded = status.get("lostWork")
+    if isinstance(recorded, dict):
+        out.update(source="status.lostWork", steps=recorded.get("steps"), recorded=recorded)
+        out["gpu_hours"] = recorded.get("gpuHours")
+    else:
+        steps = None if resume is None else detection - int(resume)
+        out.update(source="spec.detectionStep - status.resumedFromStep", steps=steps)
+    return out
+
+
 def node_state(server: ApiServer, name: str) -> tuple[Any, ...]:
     node = server.node(name)
     return (
@@ -866,12 +932,16 @@ def scenario(
     if faulty is not None:
         settle(server, runner, name, watch)
         opinion = second_opinion_result(runner, watch)
+    incidents = sorted(server.incidents(name), key=lambda i: int(i["spec"].get("detectionStep", 0)))
+    checkpoints = checkpoints_in(work / "ckpt")
     return {
         "job": name,
         "finished": finished,
         "result": result,
         "wired_pods": runner.wired_pods,
-        "incidents": server.incidents(name),
+        "incidents": incidents,
+        "checkpoints": checkpoints,
+        "lost_work": lost_work(incidents[0], checkpoints) if incidents else None,
         "placements": runner.placements,
         "stopped_for_suspend": runner.stopped_for_suspend,
         "timeline": runner.timeline,
@@ -983,15 +1053,25 @@ def check(
     if len(placements) != 2 or bad in placements[1] or nodes[3] not in placements[1]:
         problems.append(f"the job did not resume on the spare node: placements {placements}")
     last_clean = spec["lastCleanStep"]
-    expected = last_clean - last_clean % INTERVAL
     if (
-        status.get("resumedFromStep") != expected
-        or faulty["result"].get("resumed_from") != expected
+        status.get("resumedFromStep") != last_clean
+        or faulty["result"].get("resumed_from") != last_clean
     ):
         problems.append(
-            f"resumed from step {status.get('resumedFromStep')}, not from the newest checkpoint "
-            f"at or before the last clean step {last_clean} ({expected})"
+            f"resumed from step {status.get('resumedFromStep')}, not from the verified snapshot "
+            f"of the last clean step {last_clean}"
         )
+    lost = faulty["lost_work"]
+    if lost["steps"] is None or not 0 <= lost["steps"] <= INTERVAL:
+        problems.append(f"lost {lost['steps']} steps, not at most replay_every={INTERVAL}: {lost}")
+    if lost["resume_step"] is None or lost["resume_step"] <= lost["last_periodic_checkpoint"]:
+        problems.append(f"resumed no later than the last periodic checkpoint: {lost}")
+    recorded = lost.get("recorded")
+    if recorded is not None and (
+        recorded.get("steps") != lost["detection_step"] - (lost["resume_step"] or 0)
+        or recorded.get("resumeStep") != lost["resume_step"]
+    ):
+        problems.append(f"status.lostWork does not match the detection and resume steps: {lost}")
     if not faulty["finished"]:
         problems.append("the faulty run did not finish")
     if faulty["result"].get("sha256") != clean["result"].get("sha256"):
@@ -1124,6 +1204,17 @@ def main() -> int:
         say("\n$ kubectl get sdcincidents -n ml")
         table = server.kubectl("get", "sdcincidents", "-n", NAMESPACE)
         say(table)
+        lost = faulty["lost_work"]
+        if lost is not None:
+            hours = lost.get("gpu_hours")
+            say(
+                f"Lost work: {lost['steps']} steps (detected at step {lost['detection_step']}, "
+                f"resumed from step {lost['resume_step']}"
+                + (f", {hours} GPU-hours" if hours is not None else "")
+                + f"; from {lost['source']}). The last periodic checkpoint (step "
+                f"{lost['last_periodic_checkpoint']}, every {CHECKPOINT_EVERY} steps) would have "
+                f"lost {lost['steps_from_periodic_checkpoint']}; the audit runs every {INTERVAL}."
+            )
         second = faulty["second_opinion"]
         say(
             f"Same bundle on healthy node {second.get('node')}: exit {second.get('exit_code')}, "

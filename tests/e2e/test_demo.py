@@ -94,17 +94,32 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     labels, _, taints, unschedulable = faulty["nodes_after"][bad]
     assert unschedulable is True and labels["hyperpod-sdc.dev/suspect"] == "true"
     assert {"key": "hyperpod-sdc.dev/suspect", "value": "true", "effect": "NoSchedule"} in taints
-    # resumed on the spare node, from the newest checkpoint at or before the last clean step
+    # resumed on the spare node, from the verified snapshot of the last clean step that the
+    # healthy ranks wrote at the detection, not from the last periodic checkpoint: the work
+    # lost is at most one audit interval (replay_every 10, a periodic checkpoint every 30)
     first, second = faulty["placements"]
     spare = demo["nodes"][3]
     assert bad in first and spare not in first and bad not in second and spare in second
     last_clean = incident["spec"]["lastCleanStep"]
-    assert (
-        status["resumeCheckpoint"]["step"]
-        == status["resumedFromStep"]
-        == faulty["result"]["resumed_from"]
-    )
-    assert status["resumedFromStep"] <= last_clean and last_clean - status["resumedFromStep"] < 10
+    assert status["resumedFromStep"] == faulty["result"]["resumed_from"] == last_clean
+    assert status["resumedFrom"].endswith(f"/sdc-snapshot-step_{last_clean}")
+    assert status["resumeCheckpoint"]["step"] <= status["resumedFromStep"]
+    assert [c for c in faulty["checkpoints"] if c["snapshot"]] == [
+        {
+            "name": f"sdc-snapshot-step_{last_clean}",
+            "step": last_clean,
+            "verified": True,
+            "snapshot": True,
+        }
+    ]
+    lost, replay_every = faulty["lost_work"], 10
+    assert lost["detection_step"] == int(incident["spec"]["detectionStep"])
+    assert lost["resume_step"] == last_clean
+    assert 0 < lost["steps"] <= replay_every
+    assert lost["resume_step"] > lost["last_periodic_checkpoint"]
+    assert lost["steps_from_periodic_checkpoint"] > lost["steps"]
+    assert f"Lost work: {lost['steps']} steps" in done.stdout
+    assert not [c for c in clean["checkpoints"] if c["snapshot"]]
     # confirmed on the faulty node, where the emulated GPU is still broken, naming that GPU;
     # replaced by the policy auto-replace-confirmed, with exactly one SageMaker call
     assert status["phase"] == "Remediated"
