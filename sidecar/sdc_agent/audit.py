@@ -54,7 +54,7 @@ from .replay import (
 )
 from .topology import Topology
 
-__all__ = ["AuditOutcome", "ReplayAudit", "ReplayStats"]
+__all__ = ["MICRO_BATCH_SEED", "AuditOutcome", "ReplayAudit", "ReplayStats", "audited_micro_batch"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -90,6 +90,28 @@ class AuditOutcome:
     """Where the evidence of a localized, persistent finding is (every rank)."""
     work: EvidenceWork | None = None
     """That evidence, on the rank that holds it (:attr:`BundleSource.writer`)."""
+
+
+MICRO_BATCH_SEED = 0x5DC
+"""The seed of the audited micro-batch's permutations: the same on every rank (it needs
+no secret: which micro-batch is audited is no use to a faulty GPU)."""
+
+
+def audited_micro_batch(audit: int, count: int, seed: int = MICRO_BATCH_SEED) -> int:
+    """The micro-batch (from 0) that the ``audit``-th audit (from 0) replays, of ``count``.
+
+    Audits go in cycles of ``count``; the first cycle in order (so the first audit of a
+    run replays the first micro-batch, whose gradients the communication hook sees whole),
+    each later one a permutation drawn from ``seed`` and the cycle's number: every index is
+    audited once in every cycle, the same on every rank.
+    """
+    if count <= 1:
+        return 0
+    cycle, position = divmod(audit, count)
+    if cycle == 0:
+        return position
+    order = random.Random(seed * 1_000_003 + cycle).sample(range(count), count)
+    return order[position]
 
 
 class _Collector:
@@ -211,6 +233,15 @@ class ReplayAudit:
         self._passes = 0  # backward passes the comm hook saw this step
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
+        self._audits_due = 0  # audits begun so far: the position in the permutations
+        self._count = 1  # micro-batches per step, as the last step had them
+        self.audited = 0
+        """The index of the micro-batch this step's audit replays (see
+        :func:`audited_micro_batch`; always the first under a sharded layout)."""
+        self._captured = False  # the audited micro-batch was shown this step
+        self._forwards = 0  # forwards begun this step
+        self._grad_hooks: list[Any] = []
+        self._partial: dict[int, torch.Tensor] = {}  # gradients of several passes, summed
 
     def _shared_seed(self) -> int:
         # Group rank 0 draws, everyone adds: the same seed on every rank.
@@ -242,6 +273,16 @@ class ReplayAudit:
         drawn = self.probability > 0 and self._schedule.random() < self.probability
         self._due_if_replayable = scheduled or drawn
         self.due = self._due_if_replayable and self.loss_fn is not None
+        if self._micro:
+            self._count = self._micro
+        self._drop_grad_hooks()
+        self.audited = 0
+        if self._due_if_replayable and not self.grads_by_hook:
+            self.audited = audited_micro_batch(self._audits_due, self._count)
+        if self._due_if_replayable:
+            self._audits_due += 1
+        self._captured = False
+        self._forwards = 0
         self.step = step
         self.payload = None
         self.own_loss = None
@@ -263,27 +304,49 @@ class ReplayAudit:
         """Micro-batches seen so far in this step."""
         return self._micro
 
+    @property
+    def ready(self) -> bool:
+        """Due, and the micro-batch whose turn it is was shown this step (a step with
+        fewer micro-batches than that index audits nothing)."""
+        return self.due and self._captured and self.payload is not None
+
     def forward_starts(self) -> None:
-        """From the model's forward pre-hook: the RNG state the micro-batch starts from."""
-        if self._rng is None:
+        """From the model's forward pre-hook: the RNG state the micro-batch starts from
+        (the first's, and the audited one's)."""
+        if self._forwards == self.audited or self._rng is None:
             self._rng = RngState.capture(self.device)
+        self._forwards += 1
 
     def micro_batch(self, batch: Any, loss: torch.Tensor, *, syncs: bool, copy: bool) -> None:
         """A micro-batch's forward is done and its ``loss`` is about to be backpropagated.
 
-        The first of the step is the audited one. ``syncs``: its backward all-reduces
-        (no ``no_sync``), so the communication hook sees its local gradients.
+        The audited one is :attr:`audited` of the step (the first when the step has one).
+        ``syncs``: its backward all-reduces (no ``no_sync``), so the communication hook
+        sees its local gradients (the first micro-batch's only: later ones' hook and
+        ``.grad`` carry the earlier ones' too, so theirs are read by a hook on each
+        parameter, as each backward hands them over, before they are added).
         """
+        index = self._micro
         self._micro += 1
         self._syncing_recorded += syncs
-        if self._micro == 2:
+        if index == self.audited + 1:
             self._in_hook = False  # the hook now carries later micro-batches' gradients
+            self._drop_grad_hooks()  # the audited micro-batch's backward is done
             if self._observe_later:
-                self.observe_grads()  # the first micro-batch's backward is done
-        if self._micro > 1:
+                self.observe_grads()
+        if index not in (0, self.audited):
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise SDCError("loss: must be a scalar tensor (the micro-batch's loss)")
+        if index != self.audited:
+            # The first micro-batch stands in (unaudited) for the non-finite check's
+            # replay until the audited one comes.
+            if self.payload is None:
+                rng = self._rng if self._rng is not None else RngState.capture(self.device)
+                self.payload = Payload(batch, rng.cpu, rng.cuda, rng.autocast)
+                self.own_loss = loss.detach().clone()
+            return
+        self._captured = True
         rng = self._rng if self._rng is not None else RngState.capture(self.device)
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
@@ -291,8 +354,16 @@ class ReplayAudit:
         # A copy: loops scale the loss tensor in place (the Trainer multiplies it by the
         # world size when averaging tokens across devices).
         self.own_loss = loss.detach().clone()
-        self._observe_later = self.due and not syncs and not self.grads_by_hook
-        self._in_hook = self.due and (syncs or self.grads_by_hook)
+        first = index == 0
+        if self.due and not first:
+            # Its own gradients, as each backward hands them over, before they are added
+            # to the earlier micro-batches' in .grad.
+            self._partial = {}
+            self._grad_hooks = [
+                p.register_hook(self._own_grad(i)) for i, p in enumerate(self.params)
+            ]
+        self._observe_later = self.due and first and not syncs and not self.grads_by_hook
+        self._in_hook = self.due and first and (syncs or self.grads_by_hook)
         if loss.requires_grad:
             payload = self.payload
 
@@ -300,6 +371,24 @@ class ReplayAudit:
                 payload.loss_grad = grad.detach()
 
             loss.register_hook(record)
+
+    def _own_grad(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if i in self._keep:  # several backward passes add to it: summed, as .grad would
+                before = self._partial.get(i)
+                self._partial[i] = grad.detach().clone() if before is None else before + grad
+            else:
+                self._own.add(i, grad)
+
+        return hook
+
+    def _drop_grad_hooks(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        for i, g in self._partial.items():
+            self._own.add(i, g)
+        self._partial = {}
 
     @property
     def capturing_in_hook(self) -> bool:
@@ -393,6 +482,7 @@ class ReplayAudit:
         return grad
 
     def own_summary(self) -> Summary:
+        self._drop_grad_hooks()
         self.observe_grads()
         assert self.own_loss is not None
         return self._own.summary(self.own_loss, len(self.params))

@@ -108,7 +108,7 @@ class NonFiniteCheck(CheckUnit):
             if payload is None:
                 evidence["replayed_elsewhere_nonfinite"] = "not replayed: no micro-batch"
             elif micro_batches > 1:
-                # Only the first micro-batch travels: a replay of it says nothing about the rest.
+                # Only one micro-batch travels: a replay of it says nothing about the rest.
                 evidence["replayed_elsewhere_nonfinite"] = "not replayed: gradient accumulation"
             elif audit.loss_fn is not None:
                 replayed = audit.replay_nonfinite(suspects, payload)

@@ -105,7 +105,7 @@ class ReplayCheck(CheckUnit):
 
     def before_step(self, state: StepState) -> None:
         self._note_availability()
-        if self.audit.due and self.audit.payload is not None and not state.hold:
+        if self.audit.ready and not state.hold:
             self._run(state)
 
     def vouched(self, state: StepState) -> bool:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import GuardConfig
 from .errors import OperatorUnreachableError
-from .faults import FaultSpec
+from .faults import FaultSpec, _CorruptForward
 from .fingerprint import Fingerprinter, format_fingerprint
 from .guard import Guard
 from .launch import spawn_local
@@ -89,6 +89,11 @@ class Drill:
     ``shard`` ranks per shard group (consecutive ranks)."""
     shard: int = 2
     """With ``layout="hsdp"``: the shard dimension's size."""
+    marked_fault: tuple[int, int, float] | None = None
+    """``(rank, step, relative error)``: a fault only some inputs trigger. From ``step`` on,
+    that rank's first layer computes its output wrong by the relative error (in every
+    element) whenever its input is a marked micro-batch; micro-batch :data:`MARKED` (the
+    third) of every step is marked, on every rank (needs ``micro_batches`` > 2)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,6 +305,20 @@ def make_model(
     return nn.Sequential(*layers)
 
 
+MARKED = 2
+"""The index of the micro-batch :attr:`Drill.marked_fault` marks (the third)."""
+_MARK = 4.5  # the first input feature of every row of a marked micro-batch
+
+
+def _marked_fault_hook(spec: FaultSpec, step_of: list[int]) -> Any:
+    def hook(_module: nn.Module, inputs: Any, output: torch.Tensor) -> Any:
+        if step_of[0] < spec.step or not bool((inputs[0][..., 0] == _MARK).all()):
+            return None
+        return _CorruptForward.apply(output, spec)
+
+    return hook
+
+
 def make_batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
     """Rank ``rank``'s batch at ``step``: a fixed function of its arguments."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
@@ -342,6 +361,20 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             forward_noise=drill.forward_noise,
         )
         loss_fn = bf16_mse_loss if drill.autocast else mse_loss
+        step_of = [0]  # the step now, for the marked fault
+        if drill.marked_fault is not None and drill.marked_fault[0] == rank:
+            _, first, error = drill.marked_fault
+            spec = FaultSpec(
+                rank=rank,
+                step=first,
+                site="forward",
+                kind="relative",
+                index=None,
+                relative_error=error,
+                persistent=True,
+            )
+            first_layer = dict(model.named_modules())["0"]
+            first_layer.register_forward_hook(_marked_fault_hook(spec, step_of))
         ddp = _wrap(model, drill, world)
         torch.manual_seed(drill.seed * 7919 + rank + 1)  # ...and a dropout stream per rank
         optimizer = torch.optim.Adam(ddp.parameters(), lr=drill.lr)
@@ -362,10 +395,13 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         stopped: str | None = None
         start = time.perf_counter()
         for step in range(1, drill.steps + 1):
+            step_of[0] = step
             micro = [
                 make_batch(drill.seed, rank, step * 100 + j, drill.batch_size)
                 for j in range(drill.micro_batches)
             ]
+            if drill.marked_fault is not None and len(micro) > MARKED:
+                micro[MARKED][0][:, 0] = _MARK
             if drill.poison == (rank, step):
                 micro[0][0][0, 0] = float("nan")
             if guard is None:

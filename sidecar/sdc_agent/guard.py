@@ -379,7 +379,9 @@ class Guard:
 
         With ``micro_batches`` (gradient accumulation) every micro-batch's loss is divided
         by their number before backward, gradients are all-reduced once, after the last,
-        and the replay audit checks the first micro-batch. ``result.loss`` is then the mean.
+        and the replay audit checks one micro-batch per audit, each index once in every
+        ``len(micro_batches)`` audits (:func:`~sdc_agent.audit.audited_micro_batch`).
+        ``result.loss`` is then the mean.
         """
         if self.loss_fn is None:
             raise ConfigError("loss_fn: Guard.step needs one; pass loss_fn(model, batch)")
@@ -399,7 +401,7 @@ class Guard:
         for j, micro in enumerate(micro_batches):
             last = j == count - 1
             audited = micro
-            if j == 0 and self._audit.due:  # before the forward, which may change it
+            if j == self._audit.audited and self._audit.due:  # before its forward changes it
                 audited = map_tensors(micro, lambda t: t.detach().clone())
             with contextlib.nullcontext() if last else self._layout.no_sync():
                 loss = self.loss_fn(self.model, micro)
@@ -442,9 +444,10 @@ class Guard:
         computes ``loss`` from, and ``loss`` (the loss function's value, before any
         division for accumulation or GradScaler's scaling) is about to be backpropagated.
 
-        Call it once per micro-batch; the first of the step is the one the replay audit
-        may recompute on another node. The RNG and autocast state it needs were recorded
-        when the forward began; the factor the loop applies between ``loss`` and
+        Call it once per micro-batch; the replay audit may recompute one of them on
+        another node (a different one each audit, see
+        :func:`~sdc_agent.audit.audited_micro_batch`). The RNG and autocast state it
+        needs were recorded when the forward began; the factor the loop applies between ``loss`` and
         ``backward()`` is recorded during backward. Not a collective.
         """
         if self._phase == IDLE:

@@ -11,6 +11,10 @@ replay differ, yet every run of this file draws the same noise):
 
 Faults are in every element of the middle layer's output on one rank, from step 11,
 with an audit every 5 steps: named within two audit intervals (by step 20).
+
+Under gradient accumulation (4 micro-batches), a fault only the third micro-batch's inputs
+trigger (1e-3 relative in every output of the first layer, one rank) is caught at the
+first audit whose turn that micro-batch is, within 4 audit intervals of its start.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.drill import Drill, DrillRank
+from sdc_agent.audit import audited_micro_batch
+from sdc_agent.drill import MARKED, Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 
 from .drills import accusations, agreed, run_scenarios
@@ -30,14 +35,16 @@ NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 SUSPECT = 2
 EVERY = 5
 CONFIG = {"replay_every": EVERY, "weights_every": EVERY, "fingerprint_backend": "eager"}
-FORWARD = {"forward_noise": 0.01}
-BACKWARD = {"grad_noise": True, "grad_noise_fraction": 0.1, "grad_noise_ulps": 4}
+FORWARD: dict[str, Any] = {"forward_noise": 0.01}
+BACKWARD: dict[str, Any] = {"grad_noise": True, "grad_noise_fraction": 0.1, "grad_noise_ulps": 4}
 NOISE: dict[str, dict[str, Any]] = {"forward": FORWARD, "backward": BACKWARD}
 FAULTS = {
     "ulp8": {"kind": "ulp", "ulps": 8},
     "rel1e-3": {"kind": "relative", "relative_error": 1e-3},
 }
 START = 11
+MICRO = 4
+MICRO_STEPS = START - 1 + MICRO * EVERY
 
 
 def fault(**kw: Any) -> tuple[FaultSpec, ...]:
@@ -57,6 +64,20 @@ for noise_name, noise in NOISE.items():
         SCENARIOS[f"{noise_name}_{fault_name}"] = Drill(
             steps=20, autocast=True, config=CONFIG, faults=fault(**kw), noise_seed=2, **noise
         )
+# Gradient accumulation: a fault that only the third micro-batch triggers, and no fault.
+for noise_name, noise in NOISE.items():
+    SCENARIOS[f"{noise_name}_micro"] = Drill(
+        steps=MICRO_STEPS,
+        micro_batches=MICRO,
+        autocast=True,
+        config=CONFIG,
+        marked_fault=(SUSPECT, START, 1e-3),
+        noise_seed=3,
+        **noise,
+    )
+SCENARIOS["backward_micro_clean"] = Drill(
+    steps=MICRO_STEPS, micro_batches=MICRO, autocast=True, config=CONFIG, noise_seed=3, **BACKWARD
+)
 # Randomness outside torch's generators (a private generator): nothing can be replayed.
 SCENARIOS["unreplayable"] = Drill(steps=10, autocast=True, noise=0.1, config=CONFIG)
 # One ulp in every output of the middle layer, once, on an audited step of a job whose
@@ -129,3 +150,34 @@ def test_a_transient_one_ulp_forward_fault_in_a_bit_reproducible_job_is_named(
         True,
     ), v["message"]
     assert r.applied[9] is False and all(r.applied[10:])
+
+
+@pytest.mark.parametrize("noise", list(NOISE))
+def test_a_fault_only_one_micro_batch_triggers_is_caught_at_its_turn(
+    results: dict[str, list[DrillRank]], noise: str
+) -> None:
+    r = agreed(results[f"{noise}_micro"])
+    # Audits at EVERY, 2 EVERY, ...: the first after the fault began whose turn the marked
+    # micro-batch is (every rank derives the same index from the audit's number).
+    audits = [(k, (k + 1) * EVERY) for k in range(MICRO_STEPS // EVERY)]
+    turn = next(
+        step for k, step in audits if step >= START and audited_micro_batch(k, MICRO) == MARKED
+    )
+    assert turn <= START - 1 + MICRO * EVERY
+    assert all(v["step"] >= START for v in accusations(r)), "named before the fault began"
+    (first, *_) = accusations(r)
+    assert first["step"] == turn, (first["step"], turn, first["message"])
+    assert (first["suspect_ranks"], first["localized"]) == ([SUSPECT], True), first["message"]
+    assert r.applied[first["step"] - 1] is False
+    assert all(r.applied[: turn - 1]), "no step before it was held back"
+
+
+def test_rotating_micro_batch_audits_of_a_clean_run_name_nobody(
+    results: dict[str, list[DrillRank]],
+) -> None:
+    r = agreed(results["backward_micro_clean"])
+    assert accusations(r) == [], [v["message"] for v in r.verdicts]
+    assert all(r.applied)
+    assert not any("cannot verify" in v["message"] for v in r.verdicts)
+    assert r.replay_comparisons == len(NODES) * (MICRO_STEPS // EVERY)
+    assert r.last_clean_step[-1] == MICRO_STEPS

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from sdc_agent.audit import audited_micro_batch
 from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
     Payload,
@@ -22,6 +23,24 @@ from sdc_agent.replay import (
     resolve,
     storm_threshold,
 )
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_each_micro_batch_is_audited_once_in_every_cycle(count: int) -> None:
+    for cycle in range(6):
+        indices = [audited_micro_batch(cycle * count + k, count) for k in range(count)]
+        assert sorted(indices) == list(range(count)), (cycle, indices)
+    # The first cycle in order: the first audit replays the first micro-batch.
+    assert [audited_micro_batch(k, count) for k in range(count)] == list(range(count))
+    # A function of the audit's number and the shared seed alone: the same on every rank.
+    assert [audited_micro_batch(k, count) for k in range(30)] == [
+        audited_micro_batch(k, count) for k in range(30)
+    ]
+
+
+def test_later_cycles_are_shuffled() -> None:
+    cycles = {tuple(audited_micro_batch(c * 4 + k, 4) for k in range(4)) for c in range(1, 9)}
+    assert len(cycles) > 1
 
 
 def test_ring_shifts_by_the_ranks_per_node() -> None:
