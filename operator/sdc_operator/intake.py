@@ -109,7 +109,10 @@ def _json(status: int, error: str, message: str, **headers: str) -> web.Response
 class _Handler(RequestHandler):
     """aiohttp's connection handler, with its own refusals (a header line over the limit,
     a request that is not HTTP) answered as JSON and logged at INFO, not as plain text
-    with an ERROR and a traceback."""
+    with an ERROR and a traceback; and a shorter timeout for a new connection's first
+    request (``first_request_seconds``) than between requests."""
+
+    first_request_seconds: float | None = None
 
     def handle_error(
         self,
@@ -128,18 +131,44 @@ class _Handler(RequestHandler):
         response.force_close()
         return response
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # aiohttp gives a new connection its keep-alive timeout (the idle timeout between
+        # requests) for its first request as well: the first request gets the shorter
+        # header timeout, so that connections opened and left silent do not hold slots.
+        first = getattr(self, "first_request_seconds", None)
+        if first is not None and self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            close_at = self._loop.time() + first
+            self._next_keepalive_close_time = close_at
+            self._keepalive_handle = self._loop.call_at(close_at, self._process_keepalive)
+
 
 class _Server(web.Server):
+    first_request_seconds: float | None = None
+
     def __call__(self) -> RequestHandler:
-        return _Handler(self, loop=self._loop, **self._kwargs)
+        handler = _Handler(self, loop=self._loop, **self._kwargs)
+        handler.first_request_seconds = self.first_request_seconds
+        return handler
 
 
 class IntakeRunner(web.AppRunner):
-    """An :class:`aiohttp.web.AppRunner` whose connections use :class:`_Handler`."""
+    """An :class:`aiohttp.web.AppRunner` whose connections use :class:`_Handler`: a new
+    connection has ``first_request_seconds`` for its first request's headers, then
+    ``keepalive_timeout`` between requests."""
+
+    def __init__(
+        self, app: web.Application, *, first_request_seconds: float | None = None, **kw: Any
+    ) -> None:
+        super().__init__(app, **kw)
+        self.first_request_seconds = first_request_seconds
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server
+        assert isinstance(server, _Server)
+        server.first_request_seconds = self.first_request_seconds
         return server
 
 
@@ -200,13 +229,15 @@ class Intake:
 
     def runner(self, app: web.Application | None = None) -> IntakeRunner:
         """The runner to serve ``app`` (default :meth:`app`) with: slow clients cut off
-        (headers within ``header_timeout_seconds``), handlers cancelled when the client
-        hangs up, headers up to :data:`MAX_HEADER_BYTES`."""
+        (a new connection's first headers within ``header_timeout_seconds``, a kept
+        connection idle at most ``idle_timeout_seconds``), handlers cancelled when the
+        client hangs up, headers up to :data:`MAX_HEADER_BYTES`."""
         return IntakeRunner(
             app or self.app(),
+            first_request_seconds=self.settings.header_timeout_seconds,
             access_log=None,
             handler_cancellation=True,
-            keepalive_timeout=self.settings.header_timeout_seconds,
+            keepalive_timeout=self.settings.idle_timeout_seconds,
             max_field_size=MAX_HEADER_BYTES,
             max_line_size=MAX_HEADER_BYTES,
         )

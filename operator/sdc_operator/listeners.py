@@ -64,7 +64,7 @@ class GuardedSite(web.BaseSite):
         handshake_seconds: float,
         handshakes_per_source: int,
         name: str,
-        max_connections: int = 3072,
+        max_connections: int = 4608,
         connections_per_source: int | None = None,
         backlog: int = 4096,
     ) -> None:

@@ -49,7 +49,7 @@ class OperatorSettings:
     handshakes_per_source: int = 32
     """TLS handshakes one client address may have in progress at once, on each listener;
     more are closed unanswered."""
-    max_connections: int = 3072
+    max_connections: int = 4608
     """Connections the intake holds open at once (handshaking, reading or idle between
     requests); past it a new one is reset as it is accepted, before its TLS handshake,
     and the agent retries. Bounds the intake's memory (docs/operator.md, "Memory")."""
@@ -169,8 +169,14 @@ class OperatorSettings:
     max_clock_skew_seconds: float = 300.0
     """Reports sent (``sent_at``) further in the future than this are refused."""
     header_timeout_seconds: float = 10.0
-    """A connection whose request headers are not complete this long after it opened
-    (or after its previous answer) is closed."""
+    """A new connection whose first request's headers are not complete this long after it
+    opened is closed."""
+    idle_timeout_seconds: float = 120.0
+    """A connection idle this long after its previous answer (or whose next request's
+    headers are not complete by then) is closed. The agent keeps its one connection open
+    between reports (a heartbeat every 30 s or so, spread by up to 10 s of jitter), so that
+    a storm of verdicts and heartbeats costs no TLS handshakes; the connections it holds
+    are bounded by ``max_connections``."""
     body_timeout_seconds: float = 10.0
     """A request whose body is not complete this long after its headers is answered 408."""
     rate_per_source: float = 50.0
@@ -316,6 +322,7 @@ class OperatorSettings:
             "remediation_backoff_seconds",
             "lease_seconds",
             "header_timeout_seconds",
+            "idle_timeout_seconds",
             "body_timeout_seconds",
             "rate_per_source",
             "token_reviews_per_second",

@@ -27,6 +27,12 @@ older version cannot carry, and what the operator says it ignored, is logged at 
 once per field, counted (:meth:`Reporter.counters`, ``unreported``) and named in every
 heartbeat's ``unreported`` that can carry it.
 
+One connection: the reporter keeps its HTTP/1.1 connection to the operator open between
+reports and sends every report on it, so a job's storm of verdicts and heartbeats costs the
+operator no TLS handshakes (docs/operator.md, "Memory and connections"). A connection the
+operator closed while it was idle is opened again at once for the same report; one that
+fails otherwise is closed, and the report is retried after the back-off as before.
+
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
 rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
@@ -47,9 +53,7 @@ import re
 import ssl
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
 from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV, TOKEN_FILE_ENV
@@ -182,6 +186,10 @@ class Reporter:
         self._token_stamp: tuple[float, int] | None = None
         self._ssl_stamp: tuple[int, int, int, int] | None = None
         self._ssl = self._tls_context(initial=True)
+        self._conn: http.client.HTTPConnection | None = None
+        self._conn_tls: ssl.SSLContext | None = None  # the context it was opened with
+        self.connections_opened = 0
+        """Connections opened to the operator (one while it keeps the connection open)."""
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
@@ -308,6 +316,12 @@ class Reporter:
             return entry
 
     def _run(self) -> None:
+        try:
+            self._deliver()
+        finally:
+            self._disconnect()
+
+    def _deliver(self) -> None:
         while (entry := self._next()) is not None:
             submitted, report = entry
             try:
@@ -441,37 +455,91 @@ class Reporter:
         left_out = [name for name in left_out if name != "unreported"]
         if left_out:
             self._unreported(left_out, f"the operator speaks protocol {version}, which lacks them")
-        request = urllib.request.Request(self.url, data=body, method="POST")
-        request.add_header("Content-Type", "application/json")
+        headers = {"Content-Type": "application/json"}
         if token := self._bearer():
-            request.add_header("Authorization", f"Bearer {token}")
+            headers["Authorization"] = f"Bearer {token}"
         try:
-            with urllib.request.urlopen(
-                request,
-                timeout=self.config.timeout_seconds,
-                context=self._current_tls() if self.url.startswith("https") else None,
-            ) as response:
-                self._learn_versions(response.headers.get(PROTOCOL_HEADER), None)
-                answer = response.read(65536)
-            self._note_ignored(answer)
-            return "delivered"
-        except urllib.error.HTTPError as exc:
-            detail = exc.read(2048).decode("utf-8", "replace")
-            if exc.code == 422 and self._learn_versions(
-                exc.headers.get(PROTOCOL_HEADER) if exc.headers else None, detail
-            ):
-                return "again"
-            self._retry_after = _retry_after(
-                exc.headers.get("Retry-After") if exc.headers else None
-            )
-            if exc.code in (408, 429) or exc.code >= 500:
-                log.info("sdc_agent: operator answered %d, will retry: %s", exc.code, detail)
-                return "retry"
-            return self._refused(report, exc.code, detail)
+            status, answer, retry_after, versions = self._post(body, headers)
         except (OSError, TimeoutError, http.client.HTTPException) as exc:
-            # URLError, refused connections, timeouts, a connection cut mid-answer
+            # refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
             return "retry"
+        if 200 <= status < 300:
+            self._learn_versions(versions, None)
+            self._note_ignored(answer)
+            return "delivered"
+        detail = answer[:2048].decode("utf-8", "replace")
+        if status == 422 and self._learn_versions(versions, detail):
+            return "again"
+        self._retry_after = _retry_after(retry_after)
+        if status in (408, 429) or status >= 500:
+            log.info("sdc_agent: operator answered %d, will retry: %s", status, detail)
+            return "retry"
+        return self._refused(report, status, detail)
+
+    def _post(
+        self, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None, str | None]:
+        """POST ``body`` on the kept connection: the status, the answer (at most 64 KiB),
+        its ``Retry-After`` and protocol header. A kept connection that the operator closed
+        while it was idle fails at once; the report then goes again on a new one."""
+        for fresh in (False, True):
+            conn, reused = self._connection(fresh)
+            try:
+                conn.request("POST", self._path, body=body, headers=headers)
+                response = conn.getresponse()
+                answer = response.read(65536)
+                if not response.isclosed():  # an answer over 64 KiB: not read to its end
+                    self._disconnect()
+                return (
+                    response.status,
+                    answer,
+                    response.getheader("Retry-After"),
+                    response.getheader(PROTOCOL_HEADER),
+                )
+            except (ConnectionError, http.client.RemoteDisconnected, ssl.SSLEOFError):
+                self._disconnect()
+                if not reused:
+                    raise
+            except BaseException:
+                self._disconnect()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @property
+    def _path(self) -> str:
+        parts = urllib.parse.urlsplit(self.url)
+        return parts.path + (f"?{parts.query}" if parts.query else "")
+
+    def _connection(self, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """The kept connection (opened again where the CA bundle changed, or ``fresh``),
+        and whether it is one that served a request before."""
+        https = self.url.startswith("https")
+        context = self._current_tls() if https else None
+        conn = self._conn
+        if conn is not None and (fresh or context is not self._conn_tls or conn.sock is None):
+            self._disconnect()
+            conn = None
+        if conn is not None:
+            return conn, True
+        conn = self._open(context)
+        conn.connect()
+        self._conn, self._conn_tls = conn, context
+        self.connections_opened += 1
+        return conn, False
+
+    def _open(self, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
+        """A new connection to the operator (not yet connected)."""
+        parts = urllib.parse.urlsplit(self.url)
+        host, port, timeout = parts.hostname or "", parts.port, self.config.timeout_seconds
+        if context is not None:
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def _learn_versions(self, header: str | None, refusal: str | None) -> bool:
         """Take the operator's accepted versions from its header, or, from an operator

@@ -23,7 +23,8 @@ from typing import Any
 
 from kubernetes import watch
 
-from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_agent.protocol import HeartbeatReport, Report, ReporterIdentity, encode_report
+from sdc_agent.reporter import Reporter, ReporterConfig
 
 from .cluster import Cluster
 from .test_containment import Job, verdict
@@ -132,6 +133,101 @@ def burst(
     return senders, released
 
 
+class Agent(Reporter):
+    """A node's agent as it reports: :class:`sdc_agent.reporter.Reporter` itself (its one
+    kept connection, verdicts first, the 5 s timeout, back-off, ``Retry-After`` for
+    heartbeats), its connection bound to ``source``, with every attempt of every report
+    recorded in a :class:`Sender` (which the Reporter does not expose)."""
+
+    def __init__(self, config: ReporterConfig, source: str | None = None) -> None:
+        self.source = source
+        self.senders: dict[int, Sender] = {}
+        self._status = ""
+        super().__init__(config)
+
+    def send(self, report: Report) -> Sender:
+        """Submit ``report``; its :class:`Sender` fills as it is attempted."""
+        sender = self.senders[id(report)] = Sender()
+        self.submit(report)
+        return sender
+
+    def _open(self, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(self.url)
+        bind = (self.source, 0) if self.source else None
+        timeout = self.config.timeout_seconds
+        if context is not None:
+            return http.client.HTTPSConnection(
+                parts.hostname or "", parts.port, timeout=timeout, context=context,
+                source_address=bind,
+            )  # fmt: skip
+        return http.client.HTTPConnection(
+            parts.hostname or "", parts.port, timeout=timeout, source_address=bind
+        )
+
+    def _post(
+        self, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None, str | None]:
+        try:
+            answer = super()._post(body, headers)
+        except BaseException as exc:
+            self._status = type(exc).__name__
+            raise
+        self._status = str(answer[0])
+        return answer
+
+    def _send(self, report: Report) -> str:
+        began = time.monotonic()
+        self._status = ""
+        outcome = super()._send(report)
+        sender = self.senders.get(id(report))
+        if sender is not None:
+            sender.attempts.append((self._status or outcome, time.monotonic() - began))
+            if outcome == "delivered":
+                sender.delivered_at = time.monotonic()
+        return outcome
+
+
+def agents(
+    urls: list[str],
+    tokens: list[str],
+    directory: Path,
+    ca: Path | None,
+    sources: list[str | None],
+) -> list[Agent]:
+    """One :class:`Agent` per node, reporting to ``urls[i]`` (token files written under
+    ``directory``), heartbeats sent at once (no jitter: the worst case, every heartbeat of
+    the job together)."""
+    out = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, (url, token, source) in enumerate(zip(urls, tokens, sources, strict=True)):
+        path = directory / f"token-{i}"
+        path.write_text(token)
+        config = ReporterConfig(
+            operator_url=url,
+            token_file=str(path),
+            ca_bundle=str(ca) if ca else None,
+            heartbeat_jitter_seconds=0,
+            timeout_seconds=TIMEOUT_SECONDS,
+        )
+        out.append(Agent(config, source))
+    return out
+
+
+def release(
+    agents: list[Agent], reports: list[tuple[int, Report]], timeout: float = 150
+) -> tuple[list[Sender], float]:
+    """Every ``(node, report)`` submitted to its node's agent at once (a node's reports in
+    the order given: its Reporter sends a verdict ahead of its heartbeat); the senders, in
+    that order, and the monotonic time they were released. Waits until every agent has
+    delivered or given up, at most ``timeout`` seconds."""
+    released = time.monotonic()
+    senders = [agents[node].send(report) for node, report in reports]
+    deadline = released + timeout
+    for agent in {node for node, _ in reports}:
+        agents[agent].flush(max(0.1, deadline - time.monotonic()))
+    return senders, released
+
+
 def source_of(node: int) -> str:
     """A loopback address of its own for node ``node``'s agent (127.0.0.0/8 is all
     loopback on Linux): 127.1.0.1, 127.1.0.2, ..."""
@@ -139,8 +235,12 @@ def source_of(node: int) -> str:
 
 
 def heartbeats(job: Job) -> list[bytes]:
+    return [encode_report(report) for report in heartbeat_reports(job)]
+
+
+def heartbeat_reports(job: Job) -> list[HeartbeatReport]:
     return [
-        encode_report(
+        (
             HeartbeatReport(
                 ReporterIdentity(i, job.node_name(i), job.pods[i]),
                 time.time(),

@@ -4,6 +4,7 @@ nothing in the cluster."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import select
 import socket
@@ -174,13 +175,17 @@ def test_a_pod_that_never_ran_on_its_node_accuses_nobody(
     assert_quiet(op)
 
 
-# timing: 2 s header and body timeouts; the 50 slow clients must be closed within 15 s: 13 s margin
+# timing: 2 s header and body timeouts; the 50 slow clients must be closed within 15 s: 13 s
+# margin; a kept connection idle 3 s (past the header timeout) is answered, one idle 9 s
+# (past the 5 s idle timeout) is closed
 @pytest.mark.timing
 def test_slow_clients_are_cut_off(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
     job = make_job(cluster, namespace)
-    op = start_operator(header_timeout_seconds="2", body_timeout_seconds="2")
+    op = start_operator(
+        header_timeout_seconds="2", body_timeout_seconds="2", idle_timeout_seconds="5"
+    )
     host, port = op.url.rsplit("/", 1)[-1].split(":")
     head = (
         f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -250,6 +255,25 @@ def test_slow_clients_are_cut_off(
     )
     assert (answer["status"], answer["body"]["error"]) == (408, "timeout")
     assert time.monotonic() - started < 6
+
+    # an agent's kept connection: idle longer than the header timeout between reports and
+    # still answered on the same connection; idle past the idle timeout, closed
+    kept = http.client.HTTPConnection(host, int(port), timeout=10)
+    token = cluster.token(namespace, job.pods[1])
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    statuses = []
+    for _ in range(2):
+        kept.request("POST", "/v1/reports", body=heartbeat(job, 1), headers=headers)
+        answered = kept.getresponse()
+        answered.read()
+        statuses.append(answered.status)
+        assert kept.sock is not None, "the operator closed the connection after its answer"
+        first = kept.sock
+        time.sleep(3)
+    assert statuses == [202, 202] and kept.sock is first
+    time.sleep(6)  # 9 s idle in all
+    assert first.recv(1) == b"", "an idle connection was kept past the idle timeout"
+    kept.close()
     assert_quiet(op)
 
 

@@ -38,6 +38,8 @@ class Operator:
         delay: float = 0.0,
         statuses: list[int] | None = None,
         retry_after: str | None = None,
+        keep_alive: bool = False,
+        drop_idle: bool = False,
     ):
         self.received: list[tuple[dict[str, str], Any]] = []
         self.arrived: list[tuple[float, str]] = []
@@ -45,9 +47,19 @@ class Operator:
         self.delay = delay
         self.statuses = list(statuses or [])
         self.retry_after = retry_after
+        self.connections = 0
+        """Connections accepted."""
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            # HTTP/1.1: the connection stays open between requests (HTTP/1.0: one each);
+            # drop_idle: it is closed after each answer, unannounced, as an idle timeout would
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
+            def setup(self) -> None:
+                super().setup()
+                owner.connections += 1
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 time.sleep(owner.delay)
@@ -61,6 +73,9 @@ class Operator:
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"{}")
+                if drop_idle:
+                    self.wfile.flush()
+                    self.close_connection = True
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -140,6 +155,38 @@ def test_reports_arrive_intact_with_the_token(operator: Operator, port: int, tok
     assert [r for _, r in operator.received] == sent
     assert all(h["Authorization"] == "Bearer token-one" for h, _ in operator.received)
     assert operator.received[0][0]["Content-Type"] == "application/json"
+
+
+def test_reports_go_on_one_kept_connection(port: int, token: Path) -> None:
+    """Against an operator that keeps connections open (HTTP/1.1), every report goes on the
+    one connection: a storm of a job's reports costs the operator no new TLS handshakes."""
+    operator = Operator(port, keep_alive=True)
+    reporter = make(port, token)
+    try:
+        for step in range(1, 6):
+            reporter.submit(verdict(step) if step % 2 else heartbeat(step))
+        assert reporter.flush(10)
+        assert len(operator.received) == 5
+        assert operator.connections == 1 and reporter.connections_opened == 1
+    finally:
+        reporter.close(timeout=1)
+        operator.stop()
+
+
+def test_a_connection_closed_while_idle_is_opened_again_at_once(port: int, token: Path) -> None:
+    """The operator closes the kept connection after each answer (its idle timeout): the next
+    report goes on a new connection at once, not after a back-off, and none is lost."""
+    operator = Operator(port, keep_alive=True, drop_idle=True)
+    reporter = make(port, token, initial_backoff_seconds=30.0, max_backoff_seconds=30.0)
+    try:
+        for step in range(1, 5):
+            reporter.submit(verdict(step))
+            assert reporter.flush(5), "a report waited out a back-off"
+        assert [r.step for _, r in operator.received] == [1, 2, 3, 4]
+        assert operator.connections == 4 and reporter.delivered == 4
+    finally:
+        reporter.close(timeout=1)
+        operator.stop()
 
 
 def test_a_rotated_token_is_read_again(operator: Operator, port: int, token: Path) -> None:
