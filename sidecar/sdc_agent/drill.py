@@ -89,6 +89,14 @@ class Drill:
     ``shard`` ranks per shard group (consecutive ranks)."""
     shard: int = 2
     """With ``layout="hsdp"``: the shard dimension's size."""
+    model: str = "mlp"
+    """``mlp`` (three Linear layers, :func:`make_model`); ``gpt2``: a small GPT-2 from
+    ``transformers`` (random weights, :func:`make_gpt2`: three blocks, ``width`` wide, a
+    vocabulary of 64, 16 tokens, ``batch_size`` sequences), its loss the language-model
+    loss. The noise options then act on the middle block's MLP (:data:`GPT2_MIDDLE`):
+    ``forward_noise`` on its output, ``grad_noise`` (with ``grad_noise_fraction``) on its
+    first projection's weight gradient; ``dropout``, ``noise``, ``reorder_rank`` and
+    ``marked_fault`` are not available; DDP only."""
     marked_fault: tuple[int, int, float] | None = None
     """``(rank, step, relative error)``: a fault only some inputs trigger. From ``step`` on,
     that rank's first layer computes its output wrong by the relative error (in every
@@ -319,6 +327,66 @@ def _marked_fault_hook(spec: FaultSpec, step_of: list[int]) -> Any:
     return hook
 
 
+GPT2_MIDDLE = "transformer.h.1.mlp"
+"""The middle block's MLP of :func:`make_gpt2`: where the drill's noise acts."""
+GPT2_VOCAB = 64
+GPT2_TOKENS = 16
+
+
+def make_gpt2(width: int) -> nn.Module:
+    """A GPT-2 of three blocks from ``transformers`` with random weights (seeded by the
+    caller), nothing downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=3,
+        n_head=2,
+        n_embd=width,
+        vocab_size=GPT2_VOCAB,
+        n_positions=GPT2_TOKENS,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _add_gpt2_noise(model: nn.Module, drill: Drill) -> None:
+    """The drill's run-to-run noise in the middle block's MLP (see :attr:`Drill.model`)."""
+    if drill.forward_noise > 0:
+        fraction = drill.forward_noise
+
+        def forward(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            return _ForwardNoise.apply(output, fraction)
+
+        dict(model.named_modules())[GPT2_MIDDLE].register_forward_hook(forward)
+    if drill.grad_noise:
+        weight = dict(model.named_parameters())[f"{GPT2_MIDDLE}.c_fc.weight"]
+        unit = torch.bfloat16 if drill.autocast else None
+        fraction, ulps = drill.grad_noise_fraction, drill.grad_noise_ulps
+
+        def backward(grad: torch.Tensor) -> torch.Tensor:
+            where, moves = _draw(grad.numel(), fraction, ulps)
+            return _move_ulps(grad, where, moves, unit).view_as(grad)
+
+        weight.register_hook(backward)
+
+
+def make_gpt2_batch(seed: int, rank: int, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s token batch at ``step`` for :func:`make_gpt2`."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    ids = torch.randint(0, GPT2_VOCAB, (batch_size, GPT2_TOKENS), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def gpt2_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def bf16_gpt2_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`gpt2_loss` under CPU autocast in bfloat16, the loss in float32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    return loss.float()
+
+
 def make_batch(seed: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, ...]:
     """Rank ``rank``'s batch at ``step``: a fixed function of its arguments."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
@@ -349,18 +417,25 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
     for drill in drills:
         seed_noise(drill.noise_seed, rank)
         torch.manual_seed(drill.seed)  # same initial weights everywhere...
-        model = make_model(
-            drill.width,
-            drill.dropout,
-            drill.noise,
-            grad_noise=drill.grad_noise,
-            reorder=drill.reorder_rank == rank,
-            noise_everywhere=drill.grad_noise_everywhere,
-            grad_noise_fraction=drill.grad_noise_fraction,
-            grad_noise_ulps=drill.grad_noise_ulps,
-            forward_noise=drill.forward_noise,
+        model = (
+            _drill_gpt2(drill)
+            if drill.model == "gpt2"
+            else make_model(
+                drill.width,
+                drill.dropout,
+                drill.noise,
+                grad_noise=drill.grad_noise,
+                reorder=drill.reorder_rank == rank,
+                noise_everywhere=drill.grad_noise_everywhere,
+                grad_noise_fraction=drill.grad_noise_fraction,
+                grad_noise_ulps=drill.grad_noise_ulps,
+                forward_noise=drill.forward_noise,
+            )
         )
-        loss_fn = bf16_mse_loss if drill.autocast else mse_loss
+        loss_fn: Any = bf16_mse_loss if drill.autocast else mse_loss
+        make: Any = make_batch
+        if drill.model == "gpt2":
+            loss_fn, make = (bf16_gpt2_loss if drill.autocast else gpt2_loss), make_gpt2_batch
         step_of = [0]  # the step now, for the marked fault
         if drill.marked_fault is not None and drill.marked_fault[0] == rank:
             _, first, error = drill.marked_fault
@@ -397,7 +472,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
         for step in range(1, drill.steps + 1):
             step_of[0] = step
             micro = [
-                make_batch(drill.seed, rank, step * 100 + j, drill.batch_size)
+                make(drill.seed, rank, step * 100 + j, drill.batch_size)
                 for j in range(drill.micro_batches)
             ]
             if drill.marked_fault is not None and len(micro) > MARKED:
@@ -457,6 +532,16 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
 
 
 _MESHES: dict[tuple[int, ...], Any] = {}
+
+
+def _drill_gpt2(drill: Drill) -> nn.Module:
+    if drill.model != "gpt2" or drill.layout != "ddp":
+        raise ValueError(f"model: expected mlp or gpt2 (gpt2 under ddp), got {drill.model!r}")
+    if drill.noise or drill.reorder_rank is not None or drill.marked_fault is not None:
+        raise ValueError("model: gpt2 takes forward_noise and grad_noise only")
+    model = make_gpt2(drill.width)
+    _add_gpt2_noise(model, drill)
+    return model
 
 
 def _wrap(model: nn.Module, drill: Drill, world: int) -> nn.Module:
