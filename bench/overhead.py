@@ -12,6 +12,13 @@ What bounds the goals on a CPU: DDP with a communication hook must scale every b
 is one pass over gradient memory; ``bound`` reports its time (``mul_`` over a tensor the
 size of the gradients, measured in the same process) next to the plain step's.
 
+``defaults_snapshots``: the defaults with the verified snapshot on (``snapshot_copies=2``:
+each time ``last_clean_step`` advances, once per audit interval at the defaults, each rank
+copies its slices of the state to host memory); ``snapshot_extra`` is its step time against
+``defaults``' in the same run (the goal: under 0.5 % on CPU), and ``snapshot_memory`` the host
+memory each rank keeps for it (``Snapshot.bytes_per_rank`` after the first step, Adam's
+moments included) against one replica's state. DDP only (FSDP2 snapshots are not built yet).
+
 ``audit_memory``: the replay audit's extra peak memory against the model's gradient bytes:
 resident memory sampled every 0.2 ms during an audited step and during the step before it
 (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
@@ -68,6 +75,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "weights_every_1_only": {**OFF, "weights_every": 1},
     "replay_every_50_only": {**OFF, "replay_every": 50},
     "defaults": {},
+    "defaults_snapshots": {"snapshot_copies": 2},
     "every_step": {"weights_every": 1, "replay_every": 1},
 }
 DEFAULT_VARIANTS = (
@@ -77,6 +85,7 @@ DEFAULT_VARIANTS = (
     "weights_every_1_only",
     "replay_every_50_only",
     "defaults",
+    "defaults_snapshots",
 )
 IN = 1024
 """Input and output width of the MLP."""
@@ -338,6 +347,48 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
             "overhead": round(mean / plain - 1, 4),
             "median_overhead": round(statistics.median(samples) / plain_median - 1, 4),
         }
+    if "defaults" in times and "defaults_snapshots" in times:
+        on, off = times["defaults_snapshots"], times["defaults"]
+        out["snapshot_extra"] = {
+            "mean": round(statistics.fmean(on) / statistics.fmean(off) - 1, 4),
+            "median": round(statistics.median(on) / statistics.median(off) - 1, 4),
+        }
+    return out
+
+
+def measure_snapshot_memory(
+    *, rank: int, batch: int, hidden: int, model_kind: str, gpt2: dict[str, int] | None
+) -> dict[str, Any]:
+    """Host bytes this rank keeps for the verified snapshot (``snapshot_copies=2``), once
+    Adam's moments exist, against one replica's state."""
+    torch.manual_seed(0)
+    net = make_gpt2(**_gpt2_args(gpt2)) if model_kind == "gpt2" else make_model(hidden)
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=True)
+    guard = Guard(
+        ddp,
+        opt,
+        loss_fn if model_kind == "mlp" else gpt2_loss,
+        GuardConfig(snapshot_copies=2),
+        reporter=None,
+    )
+    g = torch.Generator().manual_seed(rank)
+    if model_kind == "gpt2":
+        dims = _gpt2_args(gpt2)
+        ids = torch.randint(0, dims["vocab"], (batch, dims["seq"]), generator=g)
+        data: Any = {"input_ids": ids, "labels": ids}
+    else:
+        data = (torch.randn(batch, IN, generator=g), torch.randn(batch, IN, generator=g))
+    guard.step(data)
+    snapshot = guard.snapshot
+    assert snapshot is not None
+    out = {
+        "copies": snapshot.copies,
+        "bytes_per_rank": snapshot.bytes_per_rank(),
+        "state_bytes": snapshot.state_bytes(),
+        "share_of_state": round(snapshot.bytes_per_rank() / snapshot.state_bytes(), 3),
+    }
+    guard.close()
     return out
 
 
@@ -400,7 +451,12 @@ def worker(
     memory = measure_audit_memory(
         rank=rank, batch=batch, device=torch.device("cpu"), model_kind=model_kind, gpt2=gpt2
     )
-    return {"times": times, "bound": one_pass_ms(numel, torch.device("cpu")), "memory": memory}
+    got = {"times": times, "bound": one_pass_ms(numel, torch.device("cpu")), "memory": memory}
+    if "defaults_snapshots" in names:
+        got["snapshot_memory"] = measure_snapshot_memory(
+            rank=rank, batch=batch, hidden=hidden, model_kind=model_kind, gpt2=gpt2
+        )
+    return got
 
 
 def _gpt2_args(gpt2: dict[str, int] | None) -> dict[str, int]:
@@ -494,6 +550,8 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if args.layout != "ddp" or args.device == "cuda":
+        names = [n for n in names if n != "defaults_snapshots"]  # DDP over gloo only, so far
     kinds = [k for k in args.models.split(",") if k]
     if not kinds or any(k not in ("mlp", "gpt2") for k in kinds):
         parser.error("--models: mlp, gpt2 or mlp,gpt2")
@@ -550,6 +608,7 @@ def main() -> None:
             **summary,
             "bound": bound,
             **({"audit_memory": got["memory"]} if "memory" in got else {}),
+            **({"snapshot_memory": got["snapshot_memory"]} if "snapshot_memory" in got else {}),
         }
     out: dict[str, Any] = {
         "benchmark": "overhead",
