@@ -128,6 +128,11 @@ class VerdictReport:
     bundle: str | None = None
     """Where the evidence bundle that recomputes the audited micro-batch is (or is being)
     written, for a confirmation run on the suspect node."""
+    snapshot_step: int | None = None
+    """The step of the verified snapshot the healthy ranks are writing as a checkpoint
+    because of this verdict (at or before ``last_clean_step``; ``sdc_agent.snapshot``): the
+    operator's stop of the job waits a bounded time for its ``checkpoint`` report. Null or
+    absent: no snapshot is written. Protocol 2."""
     kind: str = "verdict"
     version: int = PROTOCOL_VERSION
 
@@ -366,7 +371,10 @@ _V1_FIELDS = {
     "resume": ({"step"}, {"location"}),
 }
 # Optional fields added since version 1, per kind.
-_ADDED_SINCE_V1 = {"heartbeat": {"unreported", "replay_dtype", "replay_cap", "replay_kinds"}}
+_ADDED_SINCE_V1 = {
+    "verdict": {"snapshot_step"},
+    "heartbeat": {"unreported", "replay_dtype", "replay_cap", "replay_kinds"},
+}
 _FIELDS = {
     kind: (required, optional | _ADDED_SINCE_V1.get(kind, set()))
     for kind, (required, optional) in _V1_FIELDS.items()
@@ -503,6 +511,7 @@ def _verdict(
     version: int,
 ) -> VerdictReport:
     step = _int(d["step"], "step", minimum=1)
+    last_clean = _clean_step(d["last_clean_step"], step - 1)
     suspects = d["suspects"]
     if not isinstance(suspects, list):
         raise ProtocolError("suspects", f"must be an array, got {_kind(suspects)}")
@@ -518,7 +527,7 @@ def _verdict(
         check=_choice(d["check"], "check", CHECKS),
         classification=_choice(d["classification"], "classification", CLASSIFICATIONS),
         step=step,
-        last_clean_step=_clean_step(d["last_clean_step"], step - 1),
+        last_clean_step=last_clean,
         localized=bool(_bool(d["localized"], "localized")),
         transient=_bool(d.get("transient"), "transient", nullable=True),
         suspects=tuple(_suspect(s, f"suspects[{i}]", unknown) for i, s in enumerate(suspects)),
@@ -527,8 +536,20 @@ def _verdict(
         corroborated=_bool(d.get("corroborated"), "corroborated", nullable=True),
         run_id=_run_id(d.get("run_id")),
         bundle=_str(d.get("bundle"), "bundle", limit=_MAX_TEXT, nullable=True),
+        snapshot_step=_snapshot_step(d.get("snapshot_step"), last_clean),
         version=version,
     )
+
+
+def _snapshot_step(value: Any, last_clean: int) -> int | None:
+    if value is None:
+        return None
+    found = _int(value, "snapshot_step")
+    if found > last_clean:
+        raise ProtocolError(
+            "snapshot_step", f"must be <= last_clean_step {last_clean}, got {found}"
+        )
+    return found
 
 
 def _must_understand(value: Any) -> frozenset[str]:
@@ -660,6 +681,7 @@ _OMITTED_WHEN_NULL = (
     "corroborated",
     "run_id",
     "bundle",
+    "snapshot_step",
     "interval_seconds",
     "fingerprint_kernel",
     "gradient_tolerance",
@@ -793,6 +815,7 @@ def report_schema() -> dict[str, Any]:
                     "corroborated": {"type": ["boolean", "null"]},
                     "run_id": run_id,
                     "bundle": {"type": ["string", "null"], "minLength": 1, "maxLength": _MAX_TEXT},
+                    "snapshot_step": {"type": ["integer", "null"], "minimum": 0},
                 },
             ),
             kind(

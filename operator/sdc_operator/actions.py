@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import confirmation, incidents, jobs, nodes
+from . import confirmation, incidents, jobs, jobshape, nodes
 from .caches import Caches
 from .effects import Effects, Emit
 from .errors import ApiError
@@ -347,9 +347,18 @@ class Actions:
             how = reactivated
         elif (unsuspend := jobs.unsuspend_patch(job)) is not None:
             await self._patch_job(job, unsuspend)
+        status = incident.get("status") or {}
+        lost = incidents.lost_work(
+            int(incident["spec"].get("detectionStep", 0)),
+            int(checkpoint["step"]),
+            status.get("stepSeconds"),
+            jobshape.accelerators(job),
+        )
         message = (
             f"set {RESUME_MAX_STEP_ENV}={last_clean}{also} on every container and {how}; "
-            f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']})"
+            f"expecting the checkpoint of step {checkpoint['step']} ({checkpoint['location']}); "
+            f"{lost['steps']} steps lost"
+            + (f" (about {lost['gpuHours']:g} GPU-hours)" if "gpuHours" in lost else "")
         )
         await self.effects.emit(job, "SDCJobResumed", message, False)
         return Outcome(
@@ -361,7 +370,7 @@ class Actions:
                 "Restarting",
                 "waiting for the job's agents to report the step they resumed from",
             ),
-            {"resumeCheckpoint": checkpoint},
+            {"resumeCheckpoint": checkpoint, "lostWork": lost},
         )
 
     async def _set_workloads_active(self, job: dict[str, Any], active: bool) -> str | None:

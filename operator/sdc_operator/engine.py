@@ -96,6 +96,9 @@ class IncidentEngine:
         self.recorded = Effects(records, caches)
         self.actions = Actions(containment, caches, settings, hyperpod, self.effects.emit)
         self.leader = False
+        self.step_seconds: Callable[[str], float | None] = lambda uid: None
+        """Seconds per training step of a job (by uid) from its heartbeats, where known:
+        the lost work's GPU-hours estimate (set by the handlers to the heartbeats')."""
         self._locks: dict[Key, asyncio.Lock] = {}
         self._pending: dict[Key, list[_Fold]] = {}
         self._flushers: dict[Key, asyncio.Task[None]] = {}
@@ -395,6 +398,7 @@ class IncidentEngine:
                 )
             patch = jobs.checkpoint_patch(current, report.step, report.location)
             if patch is None:
+                self.snapshot_waiting(job.uid)
                 return True
             patch["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             try:
@@ -406,6 +410,7 @@ class IncidentEngine:
                     raise
                 current = None
                 continue
+            self.snapshot_waiting(job.uid)
             return True
         raise RuntimeError(f"job {job.namespace}/{job.name}: too many write conflicts")
 
@@ -530,6 +535,12 @@ class IncidentEngine:
                     return
                 rules = self.rules_for(namespace)
                 action = incidents.next_action(incident, rules)
+                if action is not None and action.action == "suspend-job":
+                    gated = await self._snapshot_gate(key, incident, rules)
+                    if gated is None:
+                        return  # waiting for the snapshot: scheduled again
+                    if gated is not incident:
+                        continue  # written: decide again on what was written
                 if action is not None:
                     incident = await self._act(key, incident, action, rules)
                     if incident is None:
@@ -574,14 +585,129 @@ class IncidentEngine:
             log.warning("incident %s/%s: %s; verifying before anything else", *key, outcome.message)
             self._later(key, min(5.0, self.settings.resync_seconds))
             return None
-        written = await self._write(key, lambda s: outcome.apply(s, action), self.containment)
+        step_seconds = (
+            self.step_seconds(str(incident["spec"]["job"]["uid"]))
+            if action.action == "suspend-job" and outcome.result == "Succeeded"
+            else None
+        )
+
+        def apply(status: dict[str, Any]) -> dict[str, Any]:
+            status = outcome.apply(status, action)
+            if step_seconds and "stepSeconds" not in status:
+                status["stepSeconds"] = round(step_seconds, 6)  # before heartbeats stop
+            return status
+
+        written = await self._write(key, apply, self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
+        lost = outcome.fields.get("lostWork")
+        if written is not None and isinstance(lost, dict):
+            self.metrics.lost_steps.observe(lost["steps"])
+            if "gpuHours" in lost:
+                self.metrics.lost_gpu_hours.inc(lost["gpuHours"])
         found = outcome.fields.get("confirmation") or {}
         if written is not None and found.get("outcome") in confirmation.OUTCOMES:
             self.metrics.confirmations.labels(found["outcome"]).inc()
             assert outcome.condition is not None
             await self._confirmation_said(written, found["outcome"], rules, outcome.condition)
         return written
+
+    # -- the verified snapshot ---------------------------------------------------------------
+
+    def _checkpoints_of(self, incident: dict[str, Any]) -> list[dict[str, Any]]:
+        """The verified checkpoints the job cache has for the incident's job."""
+        ref = (incident.get("spec") or {}).get("job") or {}
+        namespace = str((incident.get("metadata") or {}).get("namespace", ""))
+        job = self.caches.job(
+            str(ref.get("apiVersion")), str(ref.get("kind")), namespace, str(ref.get("name"))
+        )
+        if job is None or job["metadata"].get("uid") != ref.get("uid"):
+            return []
+        return jobs.verified_checkpoints(job)
+
+    async def _snapshot_gate(
+        self, key: Key, incident: dict[str, Any], rules: Rules
+    ) -> dict[str, Any] | None:
+        """Before the job is stopped: where its agents announced a verified snapshot, wait
+        for its checkpoint report up to the deadline recorded in the status
+        (:func:`incidents.snapshot_gate`). The incident to go on with (the same object when
+        nothing was written), or ``None`` while waiting (scheduled again: every second,
+        the job cache is read, and at once when a checkpoint report is recorded)."""
+        now = datetime.now(timezone.utc)
+        checkpoints = self._checkpoints_of(incident)
+        change, wait = incidents.snapshot_gate(incident, rules, checkpoints, now)
+        if change is None:
+            if wait <= 0:
+                return incident
+            self._later(key, min(wait, 1.0))
+            return None
+        uid = str(incident["spec"]["job"]["uid"])
+        step_seconds = self.step_seconds(uid)
+
+        def gate(status: dict[str, Any]) -> dict[str, Any] | None:
+            view = {**incident, "status": status}
+            written, _ = incidents.snapshot_gate(view, rules, checkpoints, now)
+            if written is not None and step_seconds and "stepSeconds" not in written:
+                written["stepSeconds"] = round(step_seconds, 6)
+            return written
+
+        before = (incident.get("status") or {}).get("snapshot") or {}
+        try:
+            written = await self._write(key, gate, self.containment)
+        except ApiError as exc:
+            # The stop must never depend on the wait: an SDCIncident CRD older than this
+            # release refuses the Snapshot condition (422). Stop now, say why.
+            log.warning(
+                "incident %s/%s: could not record the wait for the snapshot (%s); stopping "
+                "the job without waiting (install this release's SDCIncident CRD)",
+                *key,
+                exc,
+            )
+            return incident
+        if written is None:
+            return None
+        after = (written.get("status") or {}).get("snapshot") or {}
+        if not after:
+            # Pruned by an older CRD: a wait that cannot be recorded is not taken.
+            log.warning(
+                "incident %s/%s: the API server dropped status.snapshot (an SDCIncident CRD "
+                "older than this release); stopping the job without waiting",
+                *key,
+            )
+            return incident
+        result = after.get("result")
+        if result and not before.get("result"):
+            outcome = "reported" if result == incidents.SNAPSHOT_REPORTED else "timed_out"
+            self.metrics.snapshot_waits.labels(outcome).inc()
+            condition = next(
+                c
+                for c in written["status"].get("conditions") or []
+                if c.get("type") == incidents.SNAPSHOT_CONDITION
+            )
+            log.warning("incident %s/%s: %s", *key, condition["message"])
+            self._spawn(
+                self.effects.emit(
+                    written,
+                    "SDCSnapshotReported" if outcome == "reported" else "SDCSnapshotLate",
+                    condition["message"],
+                    outcome != "reported",
+                )
+            )
+        elif after and not before:
+            log.warning(
+                "incident %s/%s: the stop waits until %s for the verified snapshot of step %s",
+                *key,
+                after.get("deadline"),
+                after.get("step"),
+            )
+        return written
+
+    def snapshot_waiting(self, job_uid: str) -> None:
+        """A checkpoint of the job was recorded: its incidents waiting for a snapshot look
+        at once."""
+        for incident in self.caches.incidents_of(job_uid):
+            found = (incident.get("status") or {}).get("snapshot") or {}
+            if found and not found.get("result"):
+                self.schedule(*_key_of(incident))
 
     # -- confirmation ------------------------------------------------------------------------
 

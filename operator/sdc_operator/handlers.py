@@ -104,6 +104,7 @@ class Operator:
             hyperpod=self.hyperpod,
         )
         self.heartbeats = Heartbeats(metrics)
+        self.engine.step_seconds = self.heartbeats.step_seconds
         self.key: AttestationKey | None = None
         self.elector: ElectionThread | None = None
         self.members = Members(

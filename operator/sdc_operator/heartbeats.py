@@ -52,6 +52,9 @@ class JobBeats:
     interval: float | None = None
     silent: bool = False
     """An ``SDCAgentsSilent`` Event was posted and nothing was heard since."""
+    step_seconds: float | None = None
+    """Seconds per training step: the newest heartbeat's interval over the steps since the
+    same node's previous heartbeat (``None`` before a node sent two)."""
 
 
 class Heartbeats:
@@ -68,6 +71,9 @@ class Heartbeats:
         if beats is None:
             beats = self.jobs[job.uid] = JobBeats(job)
         interval = report.interval_seconds
+        before = beats.nodes.get(node)
+        if before is not None and interval and report.step > before.step:
+            beats.step_seconds = interval / (report.step - before.step)
         cost = {}
         if interval:
             cost = {check: seconds / interval for check, seconds in report.check_seconds.items()}
@@ -87,6 +93,11 @@ class Heartbeats:
         if interval:
             beats.interval = interval
         self.metrics.heartbeats.inc()
+
+    def step_seconds(self, uid: str) -> float | None:
+        """The job's seconds per training step from its heartbeats, where known."""
+        beats = self.jobs.get(uid)
+        return beats.step_seconds if beats is not None else None
 
     def last_seen(self) -> dict[str, float]:
         """When this replica last heard from each job, by ``<namespace>/<uid>``."""

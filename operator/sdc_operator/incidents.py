@@ -49,12 +49,14 @@ __all__ = [
     "confirmation_planned",
     "containment_summary",
     "escalate",
+    "expected_snapshot",
     "fold_report",
     "incident_name",
     "is_closed",
     "job_holders",
     "resume_max_step",
     "last_activity",
+    "lost_work",
     "new_incident",
     "needs_bundle_note",
     "next_action",
@@ -68,6 +70,7 @@ __all__ = [
     "record_intent",
     "record_result",
     "set_condition",
+    "snapshot_gate",
 ]
 
 NOT_HARDWARE = frozenset({"training", "nondeterministic"})
@@ -342,6 +345,8 @@ def fold_report(
         entry["transient"] = report.transient
     if report.bundle:
         entry["bundle"] = report.bundle
+    if report.snapshot_step is not None:
+        entry["snapshotStep"] = report.snapshot_step
     reports.append(entry)
     if status.get("phase") in OPEN_PHASES:
         # Suspects and phase are frozen once containment starts (phase Detected).
@@ -476,10 +481,13 @@ class Rules:
     from the incident's ``hyperpod-sdc.dev/action`` (``approvals: cluster``)."""
     approved: Mapping[str, str] = field(default_factory=dict)
     """Incident uid -> the decision a cluster admin recorded on an admitting SDCPolicy."""
+    snapshot_wait_seconds: float = 0.0
+    """How long the stop waits for the verified snapshot the verdict announced (0: never)."""
 
     @classmethod
     def of(cls, settings: Any) -> Rules:
         return cls(
+            snapshot_wait_seconds=settings.snapshot_wait_seconds,
             agreement_nodes=settings.agreement_nodes,
             storm_suspect_nodes=settings.storm_suspect_nodes,
             dry_run=settings.dry_run,
@@ -502,7 +510,10 @@ def is_storm(incident: dict[str, Any], rules: Rules) -> bool:
 
 def planned_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
     """Containment, in order: stop the job, then quarantine each suspect node (only for an
-    agreed, localized, corroborated verdict that accuses hardware, and not in a storm)."""
+    agreed, localized, corroborated verdict that accuses hardware, and not in a storm).
+    Where the job's agents write a verified snapshot before it stops
+    (:func:`expected_snapshot`), the nodes first: the stop waits for the snapshot
+    (:func:`snapshot_gate`), the quarantine does not."""
     status = incident.get("status") or {}
     group = agreed_group(status.get("reports") or [], rules.agreement_nodes)
     if group is None:
@@ -510,10 +521,14 @@ def planned_actions(incident: dict[str, Any], rules: Rules) -> list[Action]:
     classification, localized, ranks = group
     if classification in NOT_HARDWARE or evidence_hold(incident, rules.agreement_nodes):
         return []
-    actions = [Action("suspend-job", _job_target(incident))]
+    stop = [Action("suspend-job", _job_target(incident))]
+    quarantine = []
     if localized and ranks and not is_storm(incident, rules):
-        actions += [Action("quarantine-node", node) for node in suspect_nodes(incident)]
-    return actions
+        quarantine = [Action("quarantine-node", node) for node in suspect_nodes(incident)]
+    if status.get("snapshot") or expected_snapshot(incident, rules) is not None:
+        # The stop waits for the snapshot (snapshot_gate); the node is taken out at once.
+        return quarantine + stop
+    return stop + quarantine
 
 
 def done_actions(status: dict[str, Any]) -> set[Action]:
@@ -818,6 +833,15 @@ def resumed_status(
     last_clean = int((incident.get("spec") or {}).get("lastCleanStep", 0))
     where = f" ({location})" if location else ""
     status["resumedFromStep"] = step
+    lost = status.get("lostWork")
+    if isinstance(lost, dict) and lost.get("resumeStep") != step:
+        detection = int((incident.get("spec") or {}).get("detectionStep", 0))
+        status["lostWork"] = lost_work(
+            int(lost.get("detectionStep", detection)),
+            step,
+            lost.get("stepSeconds"),
+            lost.get("gpus"),
+        )
     if location:
         status["resumedFrom"] = location
     if step > last_clean:
@@ -1014,3 +1038,136 @@ def is_closed(incident: dict[str, Any], rules: Rules) -> bool:
     if phase in (None, "Detected"):
         return phase is None and not status.get("reports")
     return not pending_actions(incident, rules)
+
+
+# -- the verified snapshot and the work lost ---------------------------------------------------
+
+SNAPSHOT_CONDITION = "Snapshot"
+"""Condition saying whether the stop waited for the verified snapshot and what came of it:
+``Unknown``/``Waiting``, ``True``/``SnapshotReported``, ``False``/``DeadlinePassed``."""
+SNAPSHOT_REPORTED = "SnapshotReported"
+SNAPSHOT_DEADLINE = "DeadlinePassed"
+
+
+def expected_snapshot(incident: dict[str, Any], rules: Rules) -> int | None:
+    """The step of the verified snapshot the job's agents announced with the agreed verdict
+    (``snapshot_step``: they write it before the job stops), where the stop waits for it;
+    ``None`` where none was announced, the wait is off (``snapshot_wait_seconds`` 0) or in
+    dry-run (nothing is stopped)."""
+    if rules.dry_run or rules.snapshot_wait_seconds <= 0:
+        return None
+    status = incident.get("status") or {}
+    steps = [
+        int(e["snapshotStep"])
+        for e in agreed_reports(status, rules.agreement_nodes)
+        if isinstance(e.get("snapshotStep"), int) and not isinstance(e.get("snapshotStep"), bool)
+    ]
+    return max(steps) if steps else None
+
+
+def snapshot_gate(
+    incident: dict[str, Any],
+    rules: Rules,
+    checkpoints: Sequence[Mapping[str, Any]],
+    now: datetime,
+) -> tuple[dict[str, Any] | None, float]:
+    """Whether the stop of the job may go ahead, given the job's verified checkpoints
+    (oldest first): ``(status to write first, or None; seconds still to wait, 0: go ahead)``.
+    One transition per call: the wait starts (its start and deadline recorded in
+    ``status.snapshot`` before anything waits, so a restarted operator keeps the same
+    deadline), or ends, reported (a verified checkpoint at or after the snapshot's step and
+    at or before the last clean step is known) or past its deadline (the resume falls back
+    to the newest periodic verified checkpoint)."""
+    status = incident.get("status") or {}
+    recorded = status.get("snapshot")
+    at = now_iso(now)
+    if not recorded:
+        step = expected_snapshot(incident, rules)
+        if step is None:
+            return None, 0.0
+        wait = rules.snapshot_wait_seconds
+        status = _copy_status(status)
+        status["snapshot"] = {
+            "step": step,
+            "waitingSince": at,
+            "deadline": now_iso(now + timedelta(seconds=wait)),
+        }
+        set_condition(
+            status,
+            SNAPSHOT_CONDITION,
+            "Unknown",
+            "Waiting",
+            f"the suspect node is taken out at once; the job's stop waits up to {wait:g} s for "
+            f"the verified snapshot of step {step} its healthy ranks are writing",
+            at,
+        )
+        return status, wait
+    if recorded.get("result"):
+        return None, 0.0
+    step = int(recorded.get("step") or 0)
+    last_clean = int((incident.get("spec") or {}).get("lastCleanStep", 0))
+    found = [c for c in checkpoints if step <= int(c["step"]) <= last_clean]
+    if found:
+        best = max(found, key=lambda c: int(c["step"]))
+        status = _copy_status(status)
+        status["snapshot"] = {
+            **recorded,
+            "result": SNAPSHOT_REPORTED,
+            "at": at,
+            "checkpoint": {"step": int(best["step"]), "location": str(best["location"])},
+        }
+        set_condition(
+            status,
+            SNAPSHOT_CONDITION,
+            "True",
+            SNAPSHOT_REPORTED,
+            f"the verified snapshot of step {best['step']} was reported ({best['location']}); "
+            "the job is stopped now and resumes from it",
+            at,
+        )
+        return status, 0.0
+    try:
+        deadline = parse_time(str(recorded.get("deadline")))
+    except ValueError:
+        deadline = now  # a damaged record: no reason to hold the stop any longer
+    left = (deadline - now).total_seconds()
+    if left > 0:
+        return None, left
+    fallback = next((c for c in reversed(checkpoints) if int(c["step"]) <= last_clean), None)
+    resume = (
+        f"the newest periodic verified checkpoint, step {fallback['step']} ({fallback['location']})"
+        if fallback is not None
+        else f"the newest periodic verified checkpoint at or before step {last_clean} "
+        "(none is known yet)"
+    )
+    status = _copy_status(status)
+    status["snapshot"] = {**recorded, "result": SNAPSHOT_DEADLINE, "at": at}
+    set_condition(
+        status,
+        SNAPSHOT_CONDITION,
+        "False",
+        SNAPSHOT_DEADLINE,
+        f"no verified snapshot of step {step} was reported by its deadline "
+        f"{recorded.get('deadline')}: the job is stopped and falls back to {resume}",
+        at,
+    )
+    return status, 0.0
+
+
+def lost_work(
+    detection_step: int, resume_step: int, step_seconds: float | None, gpus: int | None
+) -> dict[str, Any]:
+    """``status.lostWork``: the steps between the resume and the detection, and where the
+    step time (from the heartbeats) and the job's accelerator count are known, the GPU-hours
+    they cost (steps x seconds per step x GPUs / 3600; omitted otherwise)."""
+    steps = max(0, detection_step - resume_step)
+    out: dict[str, Any] = {
+        "detectionStep": detection_step,
+        "resumeStep": resume_step,
+        "steps": steps,
+    }
+    if step_seconds and step_seconds > 0 and gpus:
+        out["gpuHours"] = steps * step_seconds * gpus / 3600.0
+        out["stepSeconds"] = round(step_seconds, 6)
+        out["gpus"] = gpus
+    return out

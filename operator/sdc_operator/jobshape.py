@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["audit_limits", "replica_shapes"]
+__all__ = ["accelerators", "audit_limits", "replica_shapes"]
 
 GPU_RESOURCES = ("nvidia.com/gpu", "aws.amazon.com/neuron", "aws.amazon.com/neuroncore")
 
@@ -62,6 +62,15 @@ def replica_shapes(job: Mapping[str, Any]) -> list[tuple[str, int, int | None]]:
         ranks = nproc if nproc is not None else _devices(replica.get("template") or {})
         shapes.append((name, pods, ranks))
     return shapes
+
+
+def accelerators(job: Mapping[str, Any]) -> int | None:
+    """The job's ranks (one per accelerator: ``nprocPerNode`` or the accelerators its pods
+    ask for) over all its pods, or ``None`` where a replica spec does not say."""
+    shapes = [s for s in replica_shapes(job) if s[1] > 0]
+    if not shapes or any(ranks is None for _, _, ranks in shapes):
+        return None
+    return sum(pods * (ranks or 0) for _, pods, ranks in shapes) or None
 
 
 def audit_limits(job: Mapping[str, Any]) -> list[str]:

@@ -197,6 +197,27 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.snapshot_waits = Counter(
+            "hyperpod_sdc_snapshot_waits",
+            "Stops that waited for the job's verified snapshot, by outcome: reported (the "
+            "snapshot's checkpoint report came), timed_out (the deadline passed: the resume "
+            "falls back to the newest periodic verified checkpoint).",
+            ["outcome"],
+            registry=r,
+        )
+        self.lost_steps = Histogram(
+            "hyperpod_sdc_lost_steps",
+            "Training steps an incident threw away: its detection step minus the step the job "
+            "was resumed from.",
+            buckets=(0, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000),
+            registry=r,
+        )
+        self.lost_gpu_hours = Counter(
+            "hyperpod_sdc_lost_gpu_hours",
+            "GPU-hours those steps cost (steps x the heartbeats' step time x the job's GPUs), "
+            "where the step time and the GPU count are known.",
+            registry=r,
+        )
         # Series the alert rules take increase() of exist from the start, at 0: a counter
         # whose first sample is already 1 shows no increase, and its first (often only)
         # incident would never fire an alert.
@@ -206,6 +227,8 @@ class Metrics:
         self.actions.labels("resume-job", "Skipped")
         for outcome in ("confirmed", "not-confirmed", "unknown"):
             self.confirmations.labels(outcome)
+        for outcome in ("reported", "timed_out"):
+            self.snapshot_waits.labels(outcome)
         self.retention_deleted = Counter(
             "hyperpod_sdc_incidents_deleted",
             "Incidents deleted by retention, by why (closed, job_deleted).",

@@ -91,6 +91,13 @@ class OperatorSettings:
     auto_resume: bool = True
     """Restart a contained job from its last clean checkpoint once its suspect node is
     quarantined. A job opts out with ``hyperpod-sdc.dev/auto-resume: "false"``."""
+    snapshot_wait_seconds: float = 30.0
+    """How long the stop of a job waits for the verified snapshot its agents write at
+    detection (``snapshot_copies`` > 0: the verdict names ``snapshot_step``) to be reported,
+    before it suspends the job anyway and the resume falls back to the newest periodic
+    verified checkpoint. The suspect node is cordoned and tainted at once; only the
+    suspension waits. It should fit the pods' termination grace period and the agents'
+    ``snapshot_write_seconds`` (default 20) with a margin. 0: never wait."""
     remediation_policy: str = "manual"
     """``manual``: a person annotates the incident with ``hyperpod-sdc.dev/action`` =
     ``reboot``, ``replace`` or ``release``. ``auto-replace-confirmed``: replace a node at
@@ -312,6 +319,7 @@ class OperatorSettings:
             "negative_token_cache_seconds",
             "incident_retention_days",
             "remediation_verify_seconds",
+            "snapshot_wait_seconds",
         ):
             if getattr(self, name) < 0:
                 raise bad(name, f"must be >= 0, got {getattr(self, name)}")

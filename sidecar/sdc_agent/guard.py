@@ -301,6 +301,14 @@ class Guard:
         host memory too short): :attr:`Snapshot.step`, :meth:`Snapshot.bytes_per_rank`."""
         return self._snapshot
 
+    def _snapshot_to_write(self) -> int | None:
+        """The step of the snapshot :meth:`_write_snapshot` would write now (``None``:
+        none), told to the operator with the verdict so that its stop waits for it."""
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.holding or snapshot.step is None:
+            return None
+        return snapshot.step
+
     def _write_snapshot(self, verdicts: Sequence[Verdict]) -> None:
         snapshot = self._snapshot
         if snapshot is None or snapshot.holding:
@@ -654,6 +662,7 @@ class Guard:
             gradient_tolerance=self.gradient_tolerance,
             bit_reproducible=self.bit_reproducible,
             noise=self._audit.noise,
+            snapshot_step=self._snapshot_to_write(),
         )
         self._write_snapshot(blocking)  # after the verdicts went to the reporter
         self._phase = IDLE

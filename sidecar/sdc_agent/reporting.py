@@ -108,16 +108,23 @@ class GuardReporting:
         gradient_tolerance: float | None,
         bit_reproducible: bool | None,
         noise: NoiseModel | None = None,
+        snapshot_step: int | None = None,
     ) -> None:
         """Report the step's verdicts (where this node is elected) and, when due, the
         heartbeat (with the replay audit's thresholds per kind from ``noise``, once it
-        audited)."""
+        audited). ``snapshot_step``: the step of the verified snapshot the ranks write at
+        detection, given on the verdicts that make them write it (hardware, not
+        transient), so that the operator's stop waits for its report."""
         if self.reporter is None:
             return
         now = time.time()
         for v in verdicts:
             if self._me in self._reporters_of(v):
-                self.reporter.submit(self._verdict_report(v, now))
+                writes = v.accuses_hardware and v.transient is not True
+                report = self._verdict_report(v, now)
+                if writes and snapshot_step is not None and snapshot_step <= v.last_clean_step:
+                    report = dataclasses.replace(report, snapshot_step=snapshot_step)
+                self.reporter.submit(report)
         every = self.config.heartbeat_every
         if every and step % every == 0:
             tick = time.monotonic()

@@ -3,13 +3,20 @@ with the reason said, against the real API server."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from sdc_agent.protocol import CheckpointReport, ReporterIdentity, ResumeReport, encode_report
+from sdc_agent.protocol import (
+    CheckpointReport,
+    HeartbeatReport,
+    ReporterIdentity,
+    ResumeReport,
+    encode_report,
+)
 
 from .cluster import Cluster, OperatorProcess, post, wait_for
 from .test_containment import (
@@ -26,13 +33,19 @@ RESUME_ENV = "HYPERPOD_SDC_RESUME_MAX_STEP"
 
 
 def checkpoint(
-    cluster: Cluster, op: OperatorProcess, job: Job, step: int, *, verified: bool = True
+    cluster: Cluster,
+    op: OperatorProcess,
+    job: Job,
+    step: int,
+    *,
+    verified: bool = True,
+    location: str | None = None,
 ) -> dict[str, Any]:
     report = CheckpointReport(
         ReporterIdentity(0, job.node_name(0), job.pods[0]),
         time.time(),
         step,
-        f"/fsx/ckpt/step_{step}.pt",
+        location or f"/fsx/ckpt/step_{step}.pt",
         verified,
     )
     status, answer, _ = post(
@@ -109,6 +122,9 @@ def test_resume_sets_the_variable_unsuspends_and_hears_back(
         ("quarantine-node", "Succeeded"),
         ("resume-job", "Succeeded"),
     ]
+    # No heartbeat gave a step time: the lost work in steps only, and no wait (no snapshot).
+    assert incident["status"]["lostWork"] == {"detectionStep": 15, "resumeStep": 10, "steps": 5}
+    assert "snapshot" not in incident["status"]
     body = cluster.get_job(namespace, job.name)
     assert body["spec"]["runPolicy"]["suspend"] is False
     assert env_of(body) == [[{"name": RESUME_ENV, "value": "10"}]] * 2
@@ -240,3 +256,138 @@ def test_kueue_managed_job_is_resumed_through_its_workload(
     assert (
         env_of(cluster.get_job(namespace, job.name)) == [[{"name": RESUME_ENV, "value": "10"}]] * 2
     )
+
+
+SNAPSHOT_WAIT = 8.0
+"""The stop's wait in the snapshot test: the snapshot's report is sent as soon as the wait
+is seen recorded (well within it on a loaded machine), and the other job's deadline passes
+while the operator is down."""
+
+
+def heartbeat(cluster: Cluster, op: OperatorProcess, job: Job, step: int, interval: float) -> None:
+    report = HeartbeatReport(
+        ReporterIdentity(0, job.node_name(0), job.pods[0]),
+        time.time(),
+        step,
+        step,
+        interval_seconds=interval,
+    )
+    status, answer, _ = post(
+        op.url, encode_report(report), cluster.token(job.namespace, job.pods[0])
+    )
+    assert status == 202, answer
+
+
+def incident_of(cluster: Cluster, job: Job, ready: Callable[[dict[str, Any]], bool]) -> Any:
+    def find() -> dict[str, Any] | None:
+        for incident in cluster.incidents(job.namespace):
+            if incident["spec"]["job"]["name"] == job.name and ready(incident):
+                return incident
+        return None
+
+    return find
+
+
+def snapshot_contain(cluster: Cluster, op: OperatorProcess, job: Job) -> None:
+    """Both reporters' verdicts announce the snapshot of the last clean step (10)."""
+    for reporter in (0, 2):
+        report = dataclasses.replace(verdict(job, reporter), snapshot_step=10)
+        assert send(cluster, op, job, reporter, report)[0] == 202
+
+
+def waiting(incident: dict[str, Any]) -> bool:
+    """The wait is recorded and the suspect node quarantined, the job not stopped yet."""
+    status = incident.get("status") or {}
+    done = {(a["action"], a.get("result")) for a in status.get("actions") or []}
+    return bool(status.get("snapshot")) and ("quarantine-node", "Succeeded") in done
+
+
+def condition(incident: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in incident["status"]["conditions"] if c["type"] == type_)
+
+
+@pytest.mark.timing
+def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """Job ``late``: its snapshot never comes; the operator dies while the stop waits and
+    the next one keeps the recorded deadline, stops the job after it and falls back to the
+    periodic checkpoint. Job ``snap``: its node is quarantined at once, the stop waits until
+    the snapshot's checkpoint report comes, the job resumes from it, and the incident
+    records the work lost (GPU-hours from the heartbeats' step time x its 6 ranks)."""
+    late = make_job(cluster, namespace, "late")
+    snap = make_job(cluster, namespace, "snap")
+    cluster.custom.patch_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs", "snap", {"spec": {"nprocPerNode": "2"}}
+    )
+    settings = {"snapshot_wait_seconds": str(SNAPSHOT_WAIT), "lease_seconds": "3"}
+    first = start_operator(**settings)
+    for job in (late, snap):
+        checkpoint(cluster, first, job, 5)  # the periodic one
+    snapshot_contain(cluster, first, late)
+    started = wait_for("the wait recorded", incident_of(cluster, late, waiting))
+    assert started["status"]["snapshot"]["step"] == 10
+    assert condition(started, "Snapshot")["status"] == "Unknown"
+    assert cluster.get_job(namespace, "late")["spec"]["runPolicy"]["suspend"] is False
+    assert [a["action"] for a in started["status"]["actions"]] == ["quarantine-node"]
+    first.kill()
+
+    second = start_operator(**settings)
+    heartbeat(cluster, second, snap, 4, 2.0)
+    heartbeat(cluster, second, snap, 8, 2.0)  # 4 steps in 2 s: 0.5 s per step
+    snapshot_contain(cluster, second, snap)
+    wait_for("the wait recorded", incident_of(cluster, snap, waiting), timeout=30)
+    assert cluster.get_job(namespace, "snap")["spec"]["runPolicy"]["suspend"] is False
+    checkpoint(cluster, second, snap, 10, location="/fsx/ckpt/sdc-snapshot-step_10")
+
+    def resumed_(incident: dict[str, Any]) -> bool:
+        return any(
+            a["action"] == "resume-job" for a in (incident.get("status") or {}).get("actions", [])
+        )
+
+    done = wait_for("snap resumed", incident_of(cluster, snap, resumed_))
+    status = done["status"]
+    assert (status["snapshot"]["result"], condition(done, "Snapshot")["reason"]) == (
+        "SnapshotReported",
+        "SnapshotReported",
+    )
+    assert status["snapshot"]["checkpoint"] == {
+        "step": 10,
+        "location": "/fsx/ckpt/sdc-snapshot-step_10",
+    }
+    assert [(a["action"], a["result"]) for a in status["actions"]] == [
+        ("quarantine-node", "Succeeded"),
+        ("suspend-job", "Succeeded"),
+        ("resume-job", "Succeeded"),
+    ]
+    assert status["snapshot"]["at"] <= status["snapshot"]["deadline"]
+    assert status["resumeCheckpoint"] == {"step": 10, "location": "/fsx/ckpt/sdc-snapshot-step_10"}
+    assert env_of(cluster.get_job(namespace, "snap")) == [[{"name": RESUME_ENV, "value": "10"}]] * 2
+    assert status["lostWork"] == {
+        "detectionStep": 15,
+        "resumeStep": 10,
+        "steps": 5,
+        "gpuHours": pytest.approx(5 * 0.5 * 6 / 3600),
+        "stepSeconds": 0.5,
+        "gpus": 6,
+    }
+
+    fell_back = wait_for("late resumed", incident_of(cluster, late, resumed_), timeout=30)
+    status = fell_back["status"]
+    assert {k: status["snapshot"][k] for k in ("step", "waitingSince", "deadline")} == (
+        started["status"]["snapshot"]
+    )  # the deadline the first operator recorded, not a fresh one
+    assert status["snapshot"]["result"] == "DeadlinePassed"
+    late_condition = condition(fell_back, "Snapshot")
+    assert (late_condition["status"], late_condition["reason"]) == ("False", "DeadlinePassed")
+    assert "step 5 (/fsx/ckpt/step_5.pt)" in late_condition["message"]
+    suspended_at = next(a["at"] for a in status["actions"] if a["action"] == "suspend-job")
+    assert suspended_at >= status["snapshot"]["deadline"]
+    assert status["resumeCheckpoint"]["step"] == 5
+    # No heartbeat of this job: no step time, so no GPU-hours, only the steps.
+    assert status["lostWork"] == {"detectionStep": 15, "resumeStep": 5, "steps": 10}
+
+    assert second.sample('hyperpod_sdc_snapshot_waits_total{outcome="reported"}') == 1
+    assert second.sample('hyperpod_sdc_snapshot_waits_total{outcome="timed_out"}') == 1
+    assert second.sample("hyperpod_sdc_lost_steps_count") == 2
+    assert second.sample("hyperpod_sdc_lost_gpu_hours_total") == pytest.approx(5 * 0.5 * 6 / 3600)

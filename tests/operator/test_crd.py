@@ -37,6 +37,7 @@ def test_names(crd: dict[str, Any]) -> None:
         "STEP",
         "PHASE",
         "CONFIRMED",
+        "LOST",
         "AGE",
     ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -383,3 +384,133 @@ def test_a_resume_starts_at_or_before_every_open_window_of_the_job() -> None:
         _holder("same-run", "Resumed", stopped="2026-11-29T00:00:20Z", resume="Succeeded"), 10
     )
     assert incidents.resume_max_step(me, [me, same_run]) == (10, ["same-run"])
+
+
+# -- the verified snapshot and the work lost ----------------------------------------------------
+
+WAIT = Rules(snapshot_wait_seconds=30.0)
+T0 = incidents.parse_time(AT)
+
+
+def snapshot_incident(snapshot_step: int | None = 10) -> dict[str, Any]:
+    status: dict[str, Any] = {}
+    for node in ("a", "c"):
+        status, _ = incidents.fold_report(
+            status,
+            dataclasses.replace(report(node), snapshot_step=snapshot_step),
+            reporter_pod=f"pod-{node}",
+            reporter_node=node,
+            suspects=suspects(3),
+            needed=2,
+            received_at=AT,
+        )
+    found = incident(status)
+    found["spec"].update(detectionStep=15, lastCleanStep=10)
+    return found
+
+
+def test_a_snapshot_announced_quarantines_first_and_the_stop_waits() -> None:
+    found = snapshot_incident()
+    assert incidents.expected_snapshot(found, WAIT) == 10
+    assert incidents.planned_actions(found, WAIT) == [
+        Action("quarantine-node", "b"),
+        Action("suspend-job", "PyTorchJob ml/llama-pretrain"),
+    ]
+    # Off (0 s), in dry-run, or not announced: no wait, the stop first as always.
+    for rules, inc in (
+        (R, found),
+        (Rules(snapshot_wait_seconds=30.0, dry_run=True), found),
+        (WAIT, snapshot_incident(None)),
+    ):
+        assert incidents.expected_snapshot(inc, rules) is None
+        assert incidents.snapshot_gate(inc, rules, [], T0) == (None, 0.0)
+        assert incidents.planned_actions(inc, rules)[0].action == "suspend-job"
+
+
+def test_the_wait_records_its_deadline_first_and_ends_once_when_reported() -> None:
+    found = snapshot_incident()
+    started, wait = incidents.snapshot_gate(found, WAIT, [], T0)
+    assert started is not None and wait == 30.0
+    assert started["snapshot"] == {
+        "step": 10,
+        "waitingSince": AT,
+        "deadline": "2026-11-29T00:00:30Z",
+    }
+    condition = next(c for c in started["conditions"] if c["type"] == "Snapshot")
+    assert (condition["status"], condition["reason"]) == ("Unknown", "Waiting")
+    found["status"] = started
+    later = T0 + incidents.timedelta(seconds=10)
+    # A periodic checkpoint older than the snapshot, or one inside the window, does not end it.
+    old = [{"step": 5, "location": "/ck/5"}, {"step": 12, "location": "/ck/12"}]
+    assert incidents.snapshot_gate(found, WAIT, old, later) == (None, 20.0)
+    # The snapshot's report does; the deadline (from the status, not a fresh one) is kept.
+    snap = [*old, {"step": 10, "location": "/ck/sdc-snapshot-step_10"}]
+    done, wait = incidents.snapshot_gate(found, WAIT, sorted(snap, key=lambda c: c["step"]), later)
+    assert done is not None and wait == 0.0
+    assert done["snapshot"]["result"] == "SnapshotReported"
+    assert done["snapshot"]["checkpoint"] == {"step": 10, "location": "/ck/sdc-snapshot-step_10"}
+    assert done["snapshot"]["deadline"] == "2026-11-29T00:00:30Z"
+    condition = next(c for c in done["conditions"] if c["type"] == "Snapshot")
+    assert (condition["status"], condition["reason"]) == ("True", "SnapshotReported")
+    found["status"] = done
+    assert incidents.snapshot_gate(found, WAIT, [], later) == (None, 0.0)  # exactly once
+    # The order stays the same once the wait is recorded, whatever the rules say now.
+    assert incidents.planned_actions(found, R)[0] == Action("quarantine-node", "b")
+
+
+def test_past_the_recorded_deadline_the_stop_goes_on_and_says_what_it_falls_back_to() -> None:
+    found = snapshot_incident()
+    started, _ = incidents.snapshot_gate(found, WAIT, [], T0)
+    assert started is not None
+    found["status"] = started
+    # A restarted operator with another setting keeps the recorded deadline.
+    other = Rules(snapshot_wait_seconds=600.0)
+    assert incidents.snapshot_gate(found, other, [], T0 + incidents.timedelta(seconds=29)) == (
+        None,
+        1.0,
+    )
+    periodic = [{"step": 5, "location": "/ck/5"}, {"step": 12, "location": "/ck/12"}]
+    late, wait = incidents.snapshot_gate(
+        found, other, periodic, T0 + incidents.timedelta(seconds=30)
+    )
+    assert late is not None and wait == 0.0
+    assert late["snapshot"]["result"] == "DeadlinePassed"
+    condition = next(c for c in late["conditions"] if c["type"] == "Snapshot")
+    assert (condition["status"], condition["reason"]) == ("False", "DeadlinePassed")
+    assert "step 5 (/ck/5)" in condition["message"]
+    found["status"] = {**started}
+    none_known, _ = incidents.snapshot_gate(found, WAIT, [], T0 + incidents.timedelta(seconds=31))
+    assert none_known is not None
+    assert "none is known yet" in next(
+        c["message"] for c in none_known["conditions"] if c["type"] == "Snapshot"
+    )
+
+
+def test_lost_work_counts_steps_and_estimates_gpu_hours_where_it_can() -> None:
+    assert incidents.lost_work(15, 10, 0.5, 6) == {
+        "detectionStep": 15,
+        "resumeStep": 10,
+        "steps": 5,
+        "gpuHours": pytest.approx(5 * 0.5 * 6 / 3600),
+        "stepSeconds": 0.5,
+        "gpus": 6,
+    }
+    assert incidents.lost_work(15, 10, None, 6) == {
+        "detectionStep": 15,
+        "resumeStep": 10,
+        "steps": 5,
+    }
+    assert "gpuHours" not in incidents.lost_work(15, 10, 0.5, None)
+
+
+def test_the_agents_resume_report_corrects_the_lost_work() -> None:
+    found = snapshot_incident()
+    found["status"].update(
+        phase="Contained",
+        conditions=[{"type": "Resumed", "status": "Unknown", "reason": "Restarting"}],
+        lostWork=incidents.lost_work(15, 10, 0.5, 6),
+    )
+    after = incidents.resumed_status(found, 5, "/ck/5", AT)
+    assert after is not None
+    assert after["lostWork"]["resumeStep"] == 5 and after["lostWork"]["steps"] == 10
+    assert after["lostWork"]["gpuHours"] == pytest.approx(10 * 0.5 * 6 / 3600)

@@ -81,7 +81,8 @@ def reports(module: Any) -> list[Any]:
 def plain(report: Any) -> dict[str, Any]:
     body = dataclasses.asdict(report)
     body.pop("version")
-    for added in ("unreported", "replay_dtype", "replay_cap", "replay_kinds"):  # since v1
+    # added since v1
+    for added in ("unreported", "replay_dtype", "replay_cap", "replay_kinds", "snapshot_step"):
         body.pop(added, None)
     return body
 

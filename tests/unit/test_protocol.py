@@ -365,3 +365,41 @@ def test_bad_replay_kinds_are_named(kinds: Any, field: str) -> None:
     with pytest.raises(ProtocolError) as caught:
         parse_report(json.dumps(dict(HEARTBEAT, version=2, replay_kinds=kinds)))
     assert caught.value.field == field
+
+
+def test_the_snapshot_step_round_trips_in_version_2_and_is_left_out_of_version_1() -> None:
+    doc = dict(VERDICT, version=2, snapshot_step=VERDICT["last_clean_step"])
+    report = parse_report(json.dumps(doc))
+    assert isinstance(report, VerdictReport)
+    assert report.snapshot_step == VERDICT["last_clean_step"]
+    assert json.loads(encode_report(report)) == doc
+    jsonschema.validate(doc, report_schema())
+    left_out: list[str] = []
+    old = json.loads(encode_report(report, version=1, left_out=left_out))
+    assert left_out == ["snapshot_step"]
+    assert "snapshot_step" not in old
+    # Unset, it is not written at all (a report without a snapshot reads as before).
+    plain = parse_report(json.dumps(dict(VERDICT, version=2)))
+    assert "snapshot_step" not in json.loads(encode_report(plain))
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("3", "must be an integer"),
+        (-1, "must be >= 0"),
+        (True, "must be an integer"),
+        (VERDICT["last_clean_step"] + 1, "must be <= last_clean_step"),
+    ],
+)
+def test_a_bad_snapshot_step_is_named(value: Any, problem: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_report(json.dumps(dict(VERDICT, version=2, snapshot_step=value)))
+    assert caught.value.field == "snapshot_step"
+    assert problem in str(caught.value)
+
+
+def test_version_1_refuses_the_snapshot_step() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_report(json.dumps(dict(VERDICT, version=1, snapshot_step=1)))
+    assert caught.value.field == "snapshot_step"
