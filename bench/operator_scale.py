@@ -300,6 +300,7 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
                     (i, storm.verdict(job, i, suspect, step=step, last_clean=step - 5))
                     for i in reporters
                 ] + list(enumerate(storm.heartbeat_reports(job)))
+                wall = time.time()
                 senders, released = storm.release(agents, reports)
                 contained = watcher.wait(120)
                 mine = resource.getrusage(resource.RUSAGE_SELF)
@@ -310,8 +311,14 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
                     and x.attempts[0][0].isdigit()
                     and x.attempts[0][1] < storm.TIMEOUT_SECONDS
                 ]
+                name = (watcher.incident or {}).get("metadata", {}).get("name", "")
+                logged = [_logged_at(op.log(), namespace, name) for op in ops]
+                agreed = [t[0] for t in logged if t]
+                done = [t[1] for t in logged if len(t) > 1]
                 got = {
                     "contained_s": round(contained - released, 3) if contained else None,
+                    "agreed_in_operator_log_s": round(min(agreed) - wall, 3) if agreed else None,
+                    "contained_in_operator_log_s": round(min(done) - wall, 3) if done else None,
                     "verdicts": storm.summary(senders[: len(reporters)]),
                     "heartbeats": storm.summary(senders[len(reporters) :]),
                     "first_attempts_answered_within_5_s": round(len(answered) / len(senders), 4),
@@ -346,6 +353,21 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
         return result
     finally:
         cluster.stop()
+
+
+def _logged_at(log: str, namespace: str, name: str) -> list[float]:
+    """When the operator logged incident ``namespace/name``'s transitions (unix seconds,
+    its log's millisecond clock): agreed (Detected), then contained. Free of the
+    generator's own delays: the watch that times ``contained_s`` is a thread of the
+    generator, behind thousands of agents' threads."""
+    import datetime
+
+    marker = f" WARNING sdc_operator.engine: incident {namespace}/{name}: "
+    return [
+        datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in log.splitlines()
+        if name and marker in line and f"{marker}confirmation" not in line
+    ]
 
 
 def _memory_cgroup(pid: int) -> tuple[Path, int] | None:
