@@ -16,8 +16,9 @@ The same for the GPT-2 from ``transformers`` (three blocks, width 32), with the 
 the faults in the middle block's MLP (its output; its first projection's weight gradient).
 
 Under gradient accumulation (4 micro-batches), a fault only the third micro-batch's inputs
-trigger (1e-3 relative in every output of the first layer, one rank) is caught at the
-first audit whose turn that micro-batch is, within 4 audit intervals of its start.
+trigger (1e-3 relative in every output of the first layer, one rank, from step 21, in the
+second, shuffled cycle of audits) is caught at the first audit whose turn that micro-batch
+is (step 35), within 4 audit intervals of its start.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ FAULTS: dict[str, dict[str, Any]] = {
 }
 START = 11
 MICRO = 4
-MICRO_STEPS = START - 1 + MICRO * EVERY
+MICRO_START = 21
+"""After the first cycle of audits (in order): the fault's turn comes in a shuffled one."""
+MICRO_STEPS = MICRO_START - 1 + MICRO * EVERY
 
 
 MODELS: dict[str, dict[str, Any]] = {"mlp": {}, "gpt2": {"model": "gpt2", "width": 32}}
@@ -93,7 +96,7 @@ for noise_name, noise in NOISE.items():
         micro_batches=MICRO,
         autocast=True,
         config=CONFIG,
-        marked_fault=(SUSPECT, START, 1e-3),
+        marked_fault=(SUSPECT, MICRO_START, 1e-3),
         noise_seed=3,
         **noise,
     )
@@ -185,10 +188,12 @@ def test_a_fault_only_one_micro_batch_triggers_is_caught_at_its_turn(
     # micro-batch is (every rank derives the same index from the audit's number).
     audits = [(k, (k + 1) * EVERY) for k in range(MICRO_STEPS // EVERY)]
     turn = next(
-        step for k, step in audits if step >= START and audited_micro_batch(k, MICRO) == MARKED
+        step
+        for k, step in audits
+        if step >= MICRO_START and audited_micro_batch(k, MICRO) == MARKED
     )
-    assert turn <= START - 1 + MICRO * EVERY
-    assert all(v["step"] >= START for v in accusations(r)), "named before the fault began"
+    assert turn <= MICRO_START - 1 + MICRO * EVERY
+    assert all(v["step"] >= MICRO_START for v in accusations(r)), "named before the fault began"
     (first, *_) = accusations(r)
     assert first["step"] == turn, (first["step"], turn, first["message"])
     assert (first["suspect_ranks"], first["localized"]) == ([SUSPECT], True), first["message"]
