@@ -812,6 +812,9 @@ def milestones(incident: dict[str, Any]) -> list[tuple[str, str]]:
                 f"({len(status.get('reports', []))} nodes agree)",
             )
         )
+    snapshot = conditions.get("Snapshot", {})
+    if snapshot.get("status") in ("True", "False"):
+        reached.append(("snapshot", f"Snapshot={snapshot['status']}: {snapshot['message']}"))
     if conditions.get("Contained", {}).get("status") == "True":
         reached.append(("contained", conditions["Contained"]["message"]))
     if resumed.get("status") in ("Unknown", "True"):

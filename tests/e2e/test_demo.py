@@ -84,9 +84,10 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     )
     # the job was suspended, the node cordoned and tainted
     assert faulty["stopped_for_suspend"] == 1
+    # the node is quarantined at once; the stop waited for the snapshot's report
     assert [a["action"] for a in status["actions"]] == [
-        "suspend-job",
         "quarantine-node",
+        "suspend-job",
         "resume-job",
         "confirm-node",
         "replace-node",
@@ -103,7 +104,12 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     last_clean = incident["spec"]["lastCleanStep"]
     assert status["resumedFromStep"] == faulty["result"]["resumed_from"] == last_clean
     assert status["resumedFrom"].endswith(f"/sdc-snapshot-step_{last_clean}")
-    assert status["resumeCheckpoint"]["step"] <= status["resumedFromStep"]
+    assert status["resumeCheckpoint"]["step"] == status["resumedFromStep"]
+    snapshot_condition = next(c for c in status["conditions"] if c["type"] == "Snapshot")
+    assert (snapshot_condition["status"], snapshot_condition["reason"]) == (
+        "True",
+        "SnapshotReported",
+    )
     assert [c for c in faulty["checkpoints"] if c["snapshot"]] == [
         {
             "name": f"sdc-snapshot-step_{last_clean}",
@@ -115,6 +121,8 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     lost, replay_every = faulty["lost_work"], 10
     assert lost["detection_step"] == int(incident["spec"]["detectionStep"])
     assert lost["resume_step"] == last_clean
+    assert lost["source"] == "status.lostWork"  # the operator records it
+    assert lost["recorded"]["steps"] == lost["steps"] == lost["detection_step"] - last_clean
     assert 0 < lost["steps"] <= replay_every
     assert lost["resume_step"] > lost["last_periodic_checkpoint"]
     assert lost["steps_from_periodic_checkpoint"] > lost["steps"]
