@@ -112,6 +112,10 @@ class Actions:
         """(action, node, boot id) -> (the incident that made the request, whether
         SageMaker accepted it; ``False``: no answer yet), for the time until that
         incident's status shows the result."""
+        self._confirm = asyncio.Lock()
+        self._confirming: dict[str, tuple[str, dict[str, Any]]] = {}
+        """node -> (incident, running record) of the confirmation pods this replica
+        created, until the incident cache shows them (one pod per node)."""
 
     # -- the three entry points ------------------------------------------------------------
 
@@ -733,13 +737,96 @@ class Actions:
         record, condition = confirmation.record("unknown", reason, message, found, now_iso())
         return Outcome("Skipped", message, condition, {"confirmation": record}, reason=reason)
 
+    def _confirmations_on(self, node: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """(incident, its namespace, running record) of every confirmation running on
+        ``node``: as the incident cache has them, and those this replica created whose
+        record the cache does not show yet (two incidents of one node confirm at the same
+        moment: the second must see the first's pod)."""
+        found = []
+        for other in self.caches.incidents.values():
+            running = (other.get("status") or {}).get("confirmation") or {}
+            if running.get("outcome") == "running" and running.get("node") == node:
+                found.append((_ref(other), str(other["metadata"]["namespace"]), running))
+        made = self._confirming.get(node)
+        if made is not None and made[0] not in {f[0] for f in found}:
+            ref, created = made
+            namespace, _, name = ref.partition("/")
+            cached = ((self.caches.incidents.get(namespace, name) or {}).get("status") or {}).get(
+                "confirmation"
+            ) or {}
+            if cached.get("podUid") == created.get("podUid") and cached.get("outcome") not in (
+                None,
+                "running",
+            ):
+                self._confirming.pop(node, None)  # it ended: the cache shows its result
+            else:
+                found.append((ref, namespace, created))
+        return found
+
+    def _share_confirmation(self, incident: dict[str, Any], node: str) -> Outcome | None:
+        """One confirmation pod per node (each asks for every GPU of the node, so a second
+        would never start): where another incident's confirmation runs on ``node``, this
+        incident shares its pod if it is in the same namespace (its result is read for
+        both, each judged with its own suspects), else waits for it to end (``Unknown``:
+        asked again shortly). ``None`` where none runs there."""
+        ref = _ref(incident)
+        namespace = incident["metadata"]["namespace"]
+        for other_ref, other_ns, running in self._confirmations_on(node):
+            if other_ref == ref:
+                continue
+            other_name = other_ref.partition("/")[2]
+            pod_ref = f"{other_ns}/{running.get('pod')}"
+            pod = self.caches.pods.get(other_ns, str(running.get("pod")))
+            uid = str(running.get("podUid") or "")
+            same = other_ns == namespace
+            if not same or pod is None or not uid or pod["metadata"].get("uid") != uid:
+                return Outcome(
+                    UNKNOWN,
+                    f"waiting for the confirmation pod {pod_ref} of incident {other_ref} on "
+                    f"node {node} to end: one confirmation pod per node (each asks for all of "
+                    "its GPUs)",
+                )
+            record = confirmation.running_record(
+                str(running["pod"]),
+                node,
+                str(running.get("bundle") or ""),
+                str(running.get("createdAt") or now_iso()),
+                uid,
+                running.get("images"),
+            )
+            record["sharedFrom"] = other_name
+            message = (
+                f"shares the confirmation pod {pod_ref} of incident {other_ref} on node "
+                f"{node} (one pod per node): it recomputes that incident's bundle "
+                f"{running.get('bundle')}, and its result is judged for this incident's suspects"
+            )
+            return Outcome(
+                "Succeeded",
+                message,
+                ("Confirmed", "Unknown", "Running", f"confirmation pod {running['pod']} on {node}"),
+                {"confirmation": record},
+            )
+        return None
+
     async def _start_confirmation(self, incident: dict[str, Any], node: str) -> Outcome:
         """Create the confirmation pod on ``node`` (or find the one created before a
-        restart: its name is the incident's); its result is read from the pod cache."""
+        restart: its name is the incident's), or share the one another incident runs
+        there; its result is read from the pod cache."""
+        async with self._confirm:  # the check for another's pod and the create, at once
+            outcome = await self._create_confirmation(incident, node)
+            record = outcome.fields.get("confirmation") or {}
+            if record.get("outcome") == "running" and not record.get("sharedFrom"):
+                self._confirming[node] = (_ref(incident), record)
+        return outcome
+
+    async def _create_confirmation(self, incident: dict[str, Any], node: str) -> Outcome:
         s = self.settings
         bundle = confirmation.bundle_of(incident)
         if not bundle:
             return self._not_confirmable("NoBundle", "the verdict named no bundle", node, None)
+        shared = self._share_confirmation(incident, node)
+        if shared is not None:
+            return shared
         job, why = await self._job(incident)
         if job is None:
             return self._not_confirmable("JobGone", f"cannot confirm: {why}", node, bundle)

@@ -480,8 +480,25 @@ class IncidentEngine:
         if not self.leader or labels.get(confirmation.CONFIRMATION_LABEL) != "true":
             return
         name = labels.get(confirmation.INCIDENT_LABEL)
+        namespace = str(pod["metadata"].get("namespace", ""))
         if name:
-            self.schedule(str(pod["metadata"].get("namespace", "")), str(name))
+            self.schedule(namespace, str(name))
+        for other in self._sharers(namespace, str(pod["metadata"].get("uid") or ""), name):
+            self.schedule(namespace, other)
+
+    def _sharers(self, namespace: str, uid: str, but: str | None) -> list[str]:
+        """The incidents of ``namespace`` but ``but`` whose running confirmation reads the
+        pod of ``uid`` (one confirmation pod per node, shared)."""
+        if not uid:
+            return []
+        return [
+            str(i["metadata"]["name"])
+            for i in self.caches.incidents.values()
+            if i["metadata"].get("namespace") == namespace
+            and i["metadata"].get("name") != but
+            and confirmation.is_running(i.get("status") or {})
+            and (i["status"]["confirmation"].get("podUid") == uid)
+        ]
 
     def become_leader(self) -> None:
         self.leader = True
@@ -768,7 +785,10 @@ class IncidentEngine:
             "Failed",
         ):
             # Given up before it ended: it must not start later and hold the node's GPUs.
-            await self._delete_pod(pod, str(wanted.get("podUid") or "") if wanted else "")
+            # A pod another incident still reads (shared) is deleted by the last to judge it.
+            uid = str(wanted.get("podUid") or "") if wanted else ""
+            if not self._sharers(key[0], uid or str(pod["metadata"].get("uid") or ""), key[1]):
+                await self._delete_pod(pod, uid)
         await self._confirmation_said(written, outcome, rules, condition)
         return True
 

@@ -240,6 +240,62 @@ def test_confirmed_once_across_a_restart_and_recorded(
     assert len(pods_for(cluster, namespace, "train")) == 1
 
 
+def test_two_incidents_of_one_node_share_one_confirmation_pod(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    checkpoints: Path,
+    tmp_path: Path,
+) -> None:
+    """The job caught twice before its suspension lands (step 15, then 25): two incidents
+    accuse one node. Each confirmation pod asks for every GPU of the node, so a second pod
+    would never start (it ended ``Unknown/NotStarted``): the second incident shares the
+    first's pod, and the one run's result is recorded for both."""
+    job = make_job(cluster, namespace)
+    with_volume(cluster, job, checkpoints)
+    bundle = bundle_in(checkpoints)
+    op = start_operator()
+    for step in (15, 25):
+        for reporter in (0, 2):
+            report = dataclasses.replace(verdict(job, reporter), step=step)
+            assert send(cluster, op, job, reporter, with_bundle(report, bundle))[0] == 202
+
+    def both_running() -> list[dict[str, Any]] | None:
+        found = [
+            i
+            for i in cluster.incidents(namespace)
+            if (i.get("status") or {}).get("confirmation", {}).get("outcome") == "running"
+        ]
+        return found if len(found) == 2 else None
+
+    running = wait_for("both confirmations running", both_running)
+    (pod,) = pods_for(cluster, namespace, "train")
+    records = [i["status"]["confirmation"] for i in running]
+    assert {(r["pod"], r["podUid"]) for r in records} == {
+        (pod["metadata"]["name"], pod["metadata"]["uid"])
+    }
+    (sharer,) = [i for i in running if i["status"]["confirmation"].get("sharedFrom")]
+    (owner,) = [i for i in running if i is not sharer]
+    assert sharer["status"]["confirmation"]["sharedFrom"] == owner["metadata"]["name"]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    shared = next(a for a in sharer["status"]["actions"] if a["action"] == "confirm-node")
+    assert "shares the confirmation pod" in shared["message"], shared
+    assert kubelet.run(cluster, pod, tmp_path / "pod", {"HYPERPOD_SDC_FAULTS": FAULT}) == 3
+
+    def both_confirmed() -> list[dict[str, Any]] | None:
+        found = [
+            i
+            for i in cluster.incidents(namespace)
+            if (i.get("status") or {}).get("confirmation", {}).get("outcome") == "confirmed"
+        ]
+        return found if len(found) == 2 else None
+
+    for incident in wait_for("both confirmed", both_confirmed):
+        assert condition(incident)[:2] == ("True", "Reproduced")
+        assert incident["status"]["confirmation"]["podUid"] == pod["metadata"]["uid"]
+    assert len(pods_for(cluster, namespace, "train")) == 1
+
+
 def test_a_tenants_look_alike_pod_under_our_name_is_not_adopted(
     cluster: Cluster,
     namespace: str,

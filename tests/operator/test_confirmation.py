@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -569,7 +569,8 @@ class _Kube:
         if self.error is not None:
             raise self.error
         self.created.append(body)
-        return {**body, "metadata": {**body["metadata"], "creationTimestamp": AT}}
+        uid = f"pod-uid-{len(self.created)}"
+        return {**body, "metadata": {**body["metadata"], "creationTimestamp": AT, "uid": uid}}
 
     async def get(self, *_: Any) -> dict[str, Any]:
         assert self.existing is not None
@@ -577,16 +578,51 @@ class _Kube:
 
 
 class _Pods:
-    def upsert(self, _: dict[str, Any]) -> None:
-        pass
+    def __init__(self, pods: Sequence[dict[str, Any]] = ()) -> None:
+        self.pods = list(pods)
+
+    def upsert(self, pod: dict[str, Any]) -> None:
+        self.pods.append(pod)
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next(
+            (
+                p
+                for p in self.pods
+                if (p["metadata"]["namespace"], p["metadata"]["name"]) == (namespace, name)
+            ),
+            None,
+        )
 
 
-def start(kube: _Kube) -> Any:
+class _Incidents:
+    def __init__(self, incidents: list[dict[str, Any]]) -> None:
+        self.incidents = incidents
+
+    def values(self) -> list[dict[str, Any]]:
+        return self.incidents
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next(
+            (
+                i
+                for i in self.incidents
+                if (i["metadata"]["namespace"], i["metadata"]["name"]) == (namespace, name)
+            ),
+            None,
+        )
+
+
+def start(
+    kube: _Kube, others: Sequence[dict[str, Any]] = (), pods: Sequence[dict[str, Any]] = ()
+) -> Any:
     async def emit(*_: Any) -> None:
         pass
 
     nodes = type("N", (), {"get": lambda self, namespace, name: None})()
-    caches: Any = type("C", (), {"pods": _Pods(), "nodes": nodes})()
+    caches: Any = type(
+        "C", (), {"pods": _Pods(pods), "nodes": nodes, "incidents": _Incidents(list(others))}
+    )()
     actions = Actions(kube, caches, OperatorSettings(), None, emit)  # type: ignore[arg-type]
     return asyncio.run(
         actions.take(incident(bundle=BUNDLE), Action("confirm-node", "node-b"), Rules())
@@ -665,3 +701,70 @@ def test_the_pod_asks_for_every_gpu_of_the_node_so_it_gets_the_suspects() -> Non
     )
     assert body is not None
     assert body["spec"]["containers"][0]["resources"] == container["resources"]
+
+
+def test_one_confirmation_pod_per_node_shared_in_a_namespace_else_awaited() -> None:
+    """Another incident's confirmation runs on the node (its pod asks for every GPU of it,
+    so a second pod would never start): in the same namespace this incident shares that
+    pod (the same pod, uid and images recorded, nothing created); in another namespace
+    (another tenant's pod, volumes and ServiceAccount) it waits (Unknown: asked again),
+    and creates nothing. None running there: its own pod, as before."""
+    running = {
+        "outcome": "running",
+        "pod": "sdc-confirm-other-0123456789",
+        "podUid": "pod-uid",
+        "node": "node-b",
+        "bundle": "/fsx/other/bundle",
+        "createdAt": AT,
+        "images": {"confirm": "example.com/train:1"},
+    }
+    other = incident({**quarantined(), "confirmation": running})
+    other["metadata"] = {"namespace": "ml", "name": "llama-1100-aaaa", "uid": "other-uid"}
+    pod = {"metadata": {"namespace": "ml", "name": running["pod"], "uid": "pod-uid"}}
+    kube = _Kube()
+    shared = start(kube, [other], [pod])
+    assert shared.result == "Succeeded" and "shares the confirmation pod" in shared.message
+    record = shared.fields["confirmation"]
+    assert {k: record[k] for k in running} == running and record["sharedFrom"] == "llama-1100-aaaa"
+    assert kube.created == []
+    elsewhere = copy.deepcopy(other)
+    elsewhere["metadata"]["namespace"] = "team-b"
+    waits = start(
+        kube, [elsewhere], [{**pod, "metadata": {**pod["metadata"], "namespace": "team-b"}}]
+    )
+    assert waits.result == "Unknown" and "one confirmation pod per node" in waits.message
+    assert kube.created == []
+    # a pod not (yet) in the cache, or another node's confirmation: not shared
+    assert start(kube, [other], []).result == "Unknown" and kube.created == []
+    other["status"]["confirmation"] = {**running, "node": "node-c"}
+    assert start(kube, [other], [pod]).result == "Succeeded" and len(kube.created) == 1
+
+
+def test_two_incidents_confirming_one_node_at_once_make_one_pod() -> None:
+    """Both quarantined the node a moment apart, and neither's running record is in the
+    incident cache yet: the second still sees the first's pod (what this replica created
+    is remembered until the cache shows it) and shares it."""
+
+    async def emit(*_: Any) -> None:
+        pass
+
+    kube = _Kube()
+    nodes = type("N", (), {"get": lambda self, namespace, name: None})()
+    caches: Any = type("C", (), {"pods": _Pods(), "nodes": nodes, "incidents": _Incidents([])})()
+    actions = Actions(kube, caches, OperatorSettings(), None, emit)  # type: ignore[arg-type]
+    first, second = incident(bundle=BUNDLE), incident(bundle=BUNDLE)
+    second["metadata"] = {**second["metadata"], "name": "llama-1300-3f9a0b1c", "uid": "inc-2"}
+    action = Action("confirm-node", "node-b")
+
+    async def both() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                actions.take(first, action, Rules()), actions.take(second, action, Rules())
+            )
+        )
+
+    made, shared = asyncio.run(both())
+    assert len(kube.created) == 1
+    assert made.result == shared.result == "Succeeded"
+    assert shared.fields["confirmation"]["sharedFrom"] == first["metadata"]["name"]
+    assert shared.fields["confirmation"]["podUid"] == made.fields["confirmation"]["podUid"]
