@@ -15,7 +15,10 @@ on the incident, its job and its suspect nodes, in time order), its suspects, th
 confirmation per GPU where there is one, the evidence, and what the review can decide now.
 ``approve`` and ``release`` record the decision as the ``hyperpod-sdc.dev/action``
 annotation, which the operator acts on: ``replace`` or ``reboot`` the quarantined node
-through HyperPod, or ``release`` it. They refuse, saying why and changing nothing, where
+through HyperPod, or ``release`` it. Where the SDCPolicy admitting the incident's namespace
+says ``approvals: cluster`` they record it, as the operator then reads it, as
+``approve.hyperpod-sdc.dev/<incident uid>`` on that policy (only a cluster admin may; a
+tenant is refused, and nothing is written). They refuse, saying why and changing nothing, where
 the decision makes no sense in the incident's phase (nothing quarantined yet or at all,
 dry-run, already released or replaced, another decision pending). The write carries the
 incident's ``resourceVersion``: a concurrent change is re-read and decided again.
@@ -39,8 +42,9 @@ from typing import Any
 
 from . import uninstall
 from .jobs import JOB_KINDS
-from .names import ACTION_ANNOTATION, GROUP, INCIDENT_PLURAL, VERSION
+from .names import ACTION_ANNOTATION, GROUP, INCIDENT_PLURAL, POLICY_PLURAL, VERSION
 from .nodes import release_patch
+from .policy import APPROVAL_PREFIX, namespace_admission
 
 __all__ = [
     "DECISIONS",
@@ -183,11 +187,19 @@ def _done(status: Mapping[str, Any], action: str) -> bool:
     )
 
 
+_ON_THE_INCIDENT = object()
+
+
 def review_refusal(
-    incident: Mapping[str, Any], decision: str, *, overwrite: bool = False
+    incident: Mapping[str, Any],
+    decision: str,
+    *,
+    overwrite: bool = False,
+    current: Any = _ON_THE_INCIDENT,
 ) -> str | None:
     """Why ``decision`` (``replace``, ``reboot`` or ``release``) cannot be recorded on
-    ``incident`` now, or ``None`` when it can. Pure."""
+    ``incident`` now, or ``None`` when it can. ``current``: the decision recorded already
+    where it is not the incident's annotation (``approvals: cluster``: the policy's). Pure."""
     if decision not in DECISIONS:
         return f"unknown decision {decision!r}; one of {', '.join(DECISIONS)}"
     status = _status(incident)
@@ -232,14 +244,51 @@ def review_refusal(
             )
         if decision == "reboot" and _done(status, "reboot-node"):
             return "a reboot was already requested; after it, decide replace or release"
-    current = ((incident.get("metadata") or {}).get("annotations") or {}).get(ACTION_ANNOTATION)
+    where = ACTION_ANNOTATION
+    if current is _ON_THE_INCIDENT:
+        current = ((incident.get("metadata") or {}).get("annotations") or {}).get(where)
+    else:
+        where = f"{APPROVAL_PREFIX}{(incident.get('metadata') or {}).get('uid')}"
     pending = current in DECISIONS and not _done(status, f"{current}-node")
     if pending and current != decision and not overwrite:
         return (
-            f"another decision is pending: {ACTION_ANNOTATION}={current} (not yet carried "
+            f"another decision is pending: {where}={current} (not yet carried "
             "out); give --overwrite to change it"
         )
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Approvals:
+    """Where a person's decision about an incident is read (:func:`approvals_for`)."""
+
+    cluster: bool
+    """``approvals: cluster``: only an annotation on an admitting SDCPolicy counts."""
+    policy: str | None = None
+    """The policy the CLI writes the decision on (the first admitting one by name: where
+    several record a decision, the operator reads the first's)."""
+    current: str | None = None
+    """The decision the admitting policies record for the incident now."""
+    unknown: str | None = None
+    """Why it could not be told (the SDCPolicies could not be read): the incident's
+    annotation is written, and counts only under ``approvals: namespace``."""
+
+
+def approvals_for(
+    incident: Mapping[str, Any],
+    policies: Sequence[Mapping[str, Any]] | None,
+    namespace_labels: Mapping[str, str],
+) -> Approvals:
+    """Whether the incident's namespace decides (``approvals: namespace``) or a cluster
+    admin (``cluster``), as the operator reads it (:func:`.policy.namespace_admission`).
+    ``policies`` ``None``: they could not be read. Pure."""
+    meta = incident.get("metadata") or {}
+    if policies is None:
+        return Approvals(False, unknown="the SDCPolicies could not be read")
+    found = namespace_admission(policies, str(meta.get("namespace")), namespace_labels)
+    if not found.admitted or not found.cluster_approvals:
+        return Approvals(False)
+    return Approvals(True, found.policies[0], found.approved.get(str(meta.get("uid"))))
 
 
 def _gpu_line(gpu: Mapping[str, Any]) -> str:
@@ -413,6 +462,50 @@ class _Cluster:
             meta["namespace"],
             INCIDENT_PLURAL,
             meta["name"],
+            patch,
+            field_manager=FIELD_MANAGER,
+            _content_type="application/merge-patch+json",
+        )
+
+    def policies(self) -> list[dict[str, Any]] | None:
+        """Every SDCPolicy, or ``None`` where the user may not list them (a tenant)."""
+        try:
+            found = self._raw(self.custom.list_cluster_custom_object, GROUP, VERSION, POLICY_PLURAL)
+        except Exception as exc:
+            if _status_code(exc) in (401, 403, 404):
+                return None
+            raise
+        return list(found.get("items") or [])
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        try:
+            found = self._raw(self.core.read_namespace, namespace)
+        except Exception as exc:
+            if _status_code(exc) in (403, 404):
+                return {}
+            raise
+        return dict((found.get("metadata") or {}).get("labels") or {})
+
+    def approve_on_policy(
+        self, policy: str, incident: Mapping[str, Any], decision: str
+    ) -> dict[str, Any]:
+        """Record a cluster admin's decision on the SDCPolicy (``approvals: cluster``)."""
+        current = self._raw(
+            self.custom.get_cluster_custom_object, GROUP, VERSION, POLICY_PLURAL, policy
+        )
+        patch = {
+            "metadata": {
+                # A concurrent change of the policy fails the write (409): decided again.
+                "resourceVersion": current["metadata"]["resourceVersion"],
+                "annotations": {f"{APPROVAL_PREFIX}{incident['metadata']['uid']}": decision},
+            }
+        }
+        return self._raw(
+            self.custom.patch_cluster_custom_object,
+            GROUP,
+            VERSION,
+            POLICY_PLURAL,
+            policy,
             patch,
             field_manager=FIELD_MANAGER,
             _content_type="application/merge-patch+json",
@@ -624,21 +717,39 @@ def _describe(cluster: _Cluster, namespace: str, name: str, output: str) -> int:
 def _decide(cluster: _Cluster, namespace: str, name: str, decision: str, overwrite: bool) -> int:
     for _ in range(_RETRIES):
         incident = cluster.incident(namespace, name)
-        refusal = review_refusal(incident, decision, overwrite=overwrite)
+        approvals = approvals_for(incident, cluster.policies(), cluster.namespace_labels(namespace))
+        if approvals.cluster:
+            where = f"{APPROVAL_PREFIX}{incident['metadata']['uid']}"
+            current = approvals.current
+            refusal = review_refusal(incident, decision, overwrite=overwrite, current=current)
+        else:
+            where = ACTION_ANNOTATION
+            current = (incident["metadata"].get("annotations") or {}).get(ACTION_ANNOTATION)
+            refusal = review_refusal(incident, decision, overwrite=overwrite)
         if refusal is not None:
             print(f"kubectl sdc: refused: incident {namespace}/{name}: {refusal}", file=sys.stderr)
             return 1
-        current = (incident["metadata"].get("annotations") or {}).get(ACTION_ANNOTATION)
         if current == decision:
-            print(
-                f"incident {namespace}/{name}: {ACTION_ANNOTATION}={decision} was already recorded"
-            )
+            print(f"incident {namespace}/{name}: {where}={decision} was already recorded")
             return 0
         try:
-            cluster.annotate(incident, decision)
+            if approvals.cluster:
+                assert approvals.policy is not None
+                cluster.approve_on_policy(approvals.policy, incident, decision)
+            else:
+                cluster.annotate(incident, decision)
         except Exception as exc:
             if _status_code(exc) == 409:  # changed meanwhile: read again, decide again
                 continue
+            if approvals.cluster and _status_code(exc) == 403:
+                print(
+                    f"kubectl sdc: refused: incident {namespace}/{name}: SDCPolicy "
+                    f"{approvals.policy} admitting namespace {namespace} says approvals: "
+                    f"cluster, so only a cluster admin decides (patch on sdcpolicies.{GROUP} "
+                    f"{approvals.policy}; yours is forbidden); nothing was recorded",
+                    file=sys.stderr,
+                )
+                return 1
             raise
         break
     else:
@@ -659,16 +770,21 @@ def _decide(cluster: _Cluster, namespace: str, name: str, decision: str, overwri
         "reboot": f"ask HyperPod to reboot node {nodes}",
         "release": f"release node {nodes} (cordon, taint, label and annotation removed)",
     }[decision]
-    print(
-        f"incident {namespace}/{name}: recorded {ACTION_ANNOTATION}={decision}; "
-        f"the operator will {what}"
-    )
+    on = f" on SDCPolicy {approvals.policy} (approvals: cluster)" if approvals.cluster else ""
+    print(f"incident {namespace}/{name}: recorded {where}={decision}{on}; the operator will {what}")
+    if approvals.unknown is not None:
+        print(
+            f"note: {approvals.unknown}: where the SDCPolicy admitting {namespace} says "
+            f"approvals: cluster, the operator ignores {ACTION_ANNOTATION} (Event "
+            "SDCDecisionIgnored) and a cluster admin decides",
+            file=sys.stderr,
+        )
     try:
         verb = "approved" if decision != "release" else "decided"
         cluster.post_event(
             incident,
             "SDCReviewDecision",
-            f"{decision} {verb} with kubectl sdc ({ACTION_ANNOTATION}={decision})",
+            f"{decision} {verb} with kubectl sdc ({where}={decision}{on})",
         )
     except Exception as exc:  # an Event is a courtesy: the decision is recorded already
         print(f"note: no Event posted ({_status_code(exc) or type(exc).__name__})", file=sys.stderr)

@@ -288,6 +288,69 @@ def test_approve_records_the_decision_once_and_refuses_to_change_a_pending_one(
     assert reasons.count("SDCReviewDecision") == 2
 
 
+def tenant_kubeconfig(cluster: Cluster, namespace: str, path: Path) -> str:
+    """A namespace admin of ``namespace`` for incidents (the ServiceAccount ``worker`` with
+    get, list and patch on sdcincidents and create on Events there), nothing cluster-wide."""
+    from kubernetes import client
+
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    rules = [
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "list"]},
+    ]
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "sdc"}, "rules": rules})
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "sdc"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sdc"},
+            "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": namespace}],
+        },
+    )
+    return cluster.kubeconfig_for(namespace, "worker", path)
+
+
+def test_under_cluster_approvals_approve_records_on_the_policy(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """``approvals: cluster``: the operator reads a decision only from the admitting
+    policy's ``approve.hyperpod-sdc.dev/<uid>`` (the incident's annotation is ignored).
+    ``kubectl sdc approve`` by a cluster admin writes it there (it wrote the ignored
+    annotation before, and said the operator would act); ``--overwrite`` and the pending
+    check read the policy's decision."""
+    cluster.admit(namespace, approvals="cluster")
+    job = make_job(cluster, namespace)
+    incident = record(cluster, job, phase="Contained")
+    name, uid = incident["metadata"]["name"], incident["metadata"]["uid"]
+    policy = f"admit-{namespace}"
+
+    def approved() -> str | None:
+        got = cluster.custom.get_cluster_custom_object(GROUP, VERSION, "sdcpolicies", policy)
+        return (got["metadata"].get("annotations") or {}).get(f"approve.hyperpod-sdc.dev/{uid}")
+
+    # A tenant may not read the policies: it cannot tell, writes the incident's annotation
+    # (what counts under approvals: namespace) and is told that here it does not count.
+    tenant = tenant_kubeconfig(cluster, namespace, tmp_path / "tenant")
+    told = sdc(cluster, "approve", name, "-n", namespace, "--kubeconfig", tenant)
+    assert told.returncode == 0, told.stderr
+    assert "the SDCPolicies could not be read" in told.stderr, told.stderr
+    assert "a cluster admin decides" in told.stderr
+    assert annotation_of(cluster, incident) == "replace" and approved() is None
+    # The cluster admin: on the policy, where the operator reads it.
+    done = sdc(cluster, "approve", name, "-n", namespace, "--action", "reboot")
+    assert done.returncode == 0, done.stderr
+    assert f"recorded approve.hyperpod-sdc.dev/{uid}=reboot on SDCPolicy {policy}" in done.stdout
+    assert approved() == "reboot" and annotation_of(cluster, incident) == "replace"
+    again = sdc(cluster, "approve", name, "-n", namespace, "--action", "reboot")
+    assert again.returncode == 0 and "already recorded" in again.stdout
+    replace = sdc(cluster, "approve", name, "-n", namespace)
+    assert replace.returncode == 1 and "another decision is pending" in replace.stderr
+    assert f"approve.hyperpod-sdc.dev/{uid}=reboot" in replace.stderr
+    forced = sdc(cluster, "release", name, "-n", namespace, "--overwrite")
+    assert forced.returncode == 0, forced.stderr
+    assert approved() == "release"
+
+
 @pytest.mark.parametrize(
     ("phase", "quarantined", "remediated", "decision", "words"),
     [
