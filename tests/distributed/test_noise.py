@@ -164,10 +164,15 @@ def test_a_one_ulp_forward_fault_shows_through_dense_gradient_noise(
             for m in mismatches
         ), mismatches
     else:
-        # A last-bit difference in the loss, which a per-process kernel choice could make
-        # too: named, not corroborated (a confirmation decides), reported once, never by
-        # repetition.
-        assert any(m["loss_equal"] is False for m in mismatches), mismatches
+        # Rounding-level evidence only (a last-bit difference in the loss, or a layer's
+        # gradients within the cap: in this run gradients:0 at 3.4e-7 with the loss bit for
+        # bit), which a per-process kernel choice could make too: named, not corroborated (a
+        # confirmation decides), reported once, never by repetition.
+        assert all(
+            k["relative_difference"] is not None and k["relative_difference"] <= 1e-6
+            for m in mismatches
+            for k in m["kinds"].values()
+        ), mismatches
         assert "kernel" in first["message"]
     # Never again on rounding-level evidence (a repeat would quarantine); the same fault
     # may later show above the cap (its trace in the gradients plus the noise), which is
