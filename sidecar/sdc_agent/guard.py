@@ -261,6 +261,7 @@ class Guard:
             write_seconds=self.config.snapshot_write_seconds,
             directory=self.config.snapshot_dir,
             run_id=self.run_id,
+            shard_of=self._layout.shard_of,
         )
         if snapshot.copies == 0:
             return None

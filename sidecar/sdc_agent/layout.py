@@ -121,6 +121,9 @@ class ParallelLayout(ABC):
     replica_classes: tuple[int, ...] | None = None
     """Check 3's classes of replicas, by group rank (:mod:`sdc_agent.weights`); ``None``:
     every rank is a replica of every other."""
+    shard_of: tuple[int, ...] | None = None
+    """Sharded layouts: each group rank's shard coordinate (the verified snapshot keeps a
+    rank's own shards); ``None``: every rank holds the whole state."""
     grads_by_hook = False
     """The replay audit's own gradients come through ``Coordinator.local_gradient``."""
     unsharded: list[nn.Parameter] | None = None

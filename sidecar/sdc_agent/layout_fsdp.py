@@ -217,6 +217,7 @@ class FSDPLayout(ParallelLayout):
         )
         """Ranks of one class hold replicas of the same shard (the shard coordinate in
         HSDP); in pure FSDP every rank is its own class."""
+        self.shard_of = tuple(self.coordinates[r][-1] for r in range(self.world_size))
         self.collective = "reduce-scatter and all-reduce" if self.hsdp else "reduce-scatter"
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")

@@ -13,6 +13,17 @@ the next ``copies - 1`` nodes (the replay audit's ring). So every slice lives on
 Registered extras (step, scheduler, data position) are small and kept whole by every
 rank; they must be equal on every rank of the data-parallel group.
 
+Sharded layouts (FSDP2, HSDP: ``shard_of`` given). The state is already sharded: a slice is
+a shard coordinate, and a rank keeps its own local shards (``DTensor.to_local()``; tensors
+that are not ``DTensor``, such as Adam's ``step``, are small and kept whole). Under HSDP the
+ranks of every replica group with the same shard coordinate hold the same shard, so with
+one replica group per node every slice already lives on ``replicate`` nodes and costs
+nothing more than the rank's own shards; the suspect's shards are written by a healthy
+replica. Under pure FSDP no shard has a replica: with ``copies`` 2 each rank also sends its
+shards to the rank at the same local index on the next node (the same ring as above), over
+a gloo group of the snapshot's own, each time the snapshot is taken. That second copy
+crosses the network at every take: its cost is given apart (docs/agent.md).
+
 Where CUDA is present the copies go to pinned buffers on a side stream, ordered after the
 step that produced the state and before the next optimizer step on the device (no host
 synchronisation). That path is not exercised by the CPU tests; on CPU the copy is a plain
@@ -41,6 +52,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import time
 import warnings
@@ -154,6 +166,7 @@ class Snapshot:
         directory: str | None,
         run_id: str,
         available: int | None = None,
+        shard_of: Sequence[int] | None = None,
     ) -> None:
         if copies > topology.num_nodes:
             raise ConfigError(
@@ -180,9 +193,23 @@ class Snapshot:
         self._cuda = next((p.is_cuda for p in module.parameters()), False)
         self._stream: Any = torch.cuda.Stream() if self._cuda else None
         self._event: Any = None
+        self.shard_of: tuple[int, ...] | None = None if shard_of is None else tuple(shard_of)
+        """Sharded layouts: each group rank's shard coordinate (a slice per coordinate)."""
+        self.slices = self.world
+        """How many slices the state is cut into (the world, or the shard coordinates)."""
+        self.replicated = False
+        """HSDP: other ranks hold the same shards (no copy crosses the network)."""
+        self._exchange_group: Any = None
+        self.exchange_seconds = 0.0
+        """Pure FSDP: seconds spent sending and receiving second copies, all takes."""
+        if self.shard_of is not None:
+            self._check_sharded(copies)
         self.copies = self._agree_copies(copies, memory_fraction, available, comm_device)
-        self.holders = holders_of(topology, self.copies) if self.copies else []
+        self.holders = self._holders(self.copies) if self.copies else []
         self.held = tuple(s for s, h in enumerate(self.holders) if group_rank in h)
+        if self.shard_of is not None and not self.replicated and self.copies > 1:
+            # Its own group: the exchange never interleaves with the job's collectives.
+            self._exchange_group = dist.new_group(backend="gloo")
 
     # -- sizes and the fall-back -------------------------------------------------------
 
@@ -195,8 +222,15 @@ class Snapshot:
         copies = self.copies if copies is None else copies
         if copies == 0:
             return 0
-        held = {s for s, h in enumerate(holders_of(self.topology, copies)) if self.group_rank in h}
+        held = {s for s, h in enumerate(self._holders(copies)) if self.group_rank in h}
         total = 0
+        if self.shard_of is not None:
+            for _, t in self._tensors():
+                per_row = t.numel() // max(1, t.shape[0])
+                for s in held:
+                    a, b = _chunks(t.shape[0], self.slices)[s]
+                    total += (b - a) * per_row * t.element_size()
+            return total
         for i, (_, t) in enumerate(self._tensors()):
             rows = _rows(t.shape[0] if t.dim() else 1, self.world)
             per_row = t.numel() // max(1, t.shape[0] if t.dim() else 1)
@@ -204,6 +238,52 @@ class Snapshot:
                 if (i + j) % self.world in held:
                     total += (b - a) * per_row * t.element_size()
         return total
+
+    def _holders(self, copies: int) -> list[list[int]]:
+        """For each slice, the group ranks that keep it, the first holder first."""
+        if self.shard_of is None:
+            return holders_of(self.topology, copies)
+        if self.replicated:  # every replica keeps its shard anyway
+            return [
+                [r for r in range(self.world) if self.shard_of[r] == s] for s in range(self.slices)
+            ]
+        ring = holders_of(self.topology, copies)
+        out: list[list[int]] = [[] for _ in range(self.slices)]
+        for r, s in enumerate(self.shard_of):
+            out[s] = ring[r]
+        return out
+
+    def _check_sharded(self, copies: int) -> None:
+        """Sharded layouts: every ``DTensor`` of the state sharded along dimension 0 (as
+        ``fully_shard`` does by default), replicated over any other mesh dimension."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        assert self.shard_of is not None
+        self.slices = max(self.shard_of) + 1
+        self.replicated = self.slices < self.world
+        for key, t in self._tensors():
+            if not isinstance(t, DTensor):
+                continue
+            *others, last = t.placements
+            if t.dim() == 0 or last != Shard(0) or any(p != Replicate() for p in others):
+                raise ConfigError(
+                    f"snapshot_copies: {key} is placed {tuple(t.placements)} on its mesh; "
+                    "snapshots of sharded layouts need every parameter sharded along its "
+                    "first dimension (fully_shard's default, no shard_placement_fn)"
+                )
+        if self.replicated:
+            nodes = min(
+                len({self.topology.node_of(r) for r in range(self.world) if self.shard_of[r] == s})
+                for s in range(self.slices)
+            )
+            if 0 < nodes < copies:
+                warnings.warn(
+                    f"snapshot_copies: {copies} copies wanted, but the replicas of a shard "
+                    f"are on {nodes} node{'s' if nodes > 1 else ''} only: each slice is kept "
+                    f"on {nodes}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _agree_copies(
         self,
@@ -238,22 +318,31 @@ class Snapshot:
 
     # -- the state ---------------------------------------------------------------------
 
+    def _sliced(self, v: object) -> bool:
+        """Whether ``v`` is cut into slices (a tensor; in a sharded layout, a DTensor)."""
+        if self.shard_of is None:
+            return _is_t(v)
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(v, DTensor)
+
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = [(f"model/{k}", v) for k, v in self.module.state_dict().items() if _is_t(v)]
+        out = [(f"model/{k}", v) for k, v in self.module.state_dict().items() if self._sliced(v)]
         for idx, per in self.optimizer.state_dict()["state"].items():
             for k, v in per.items():
-                if _is_t(v):
+                if self._sliced(v):
                     out.append((f"optim/{idx}/{k}", v))
         return out
 
     def _rest(self) -> dict[str, Any]:
-        """What is not a tensor: the optimizer's param groups and non-tensor state, the
-        model's non-tensor entries (small; kept whole)."""
+        """What is not sliced: the optimizer's param groups and other state, the model's
+        other entries (small; kept whole)."""
         sd = self.optimizer.state_dict()
         state = {
-            idx: {k: v for k, v in per.items() if not _is_t(v)} for idx, per in sd["state"].items()
+            idx: {k: v for k, v in per.items() if not self._sliced(v)}
+            for idx, per in sd["state"].items()
         }
-        model = {k: v for k, v in self.module.state_dict().items() if not _is_t(v)}
+        model = {k: v for k, v in self.module.state_dict().items() if not self._sliced(v)}
         return copy.deepcopy({"param_groups": sd["param_groups"], "state": state, "model": model})
 
     def take(self, step: int) -> None:
@@ -266,7 +355,11 @@ class Snapshot:
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else _null()
         with torch.no_grad(), ctx:
-            for i, (key, t) in enumerate(self._tensors()):
+            tensors = self._tensors()
+            for i, (key, t) in enumerate(tensors):
+                if self.shard_of is not None:
+                    self._take_shard(key, t)
+                    continue
                 flat = t.detach().reshape(t.shape[0], -1) if t.dim() else t.detach().reshape(1, 1)
                 for j, (a, b) in enumerate(_rows(flat.shape[0], self.world)):
                     s = (i + j) % self.world
@@ -285,9 +378,94 @@ class Snapshot:
             if stream is not None:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
+        if self._exchange_group is not None:
+            self._exchange(tensors)
         self._objects = self._rest()
         self._extras = {name: copy.deepcopy(dict(src())) for name, src in self.extras.items()}
         self.step = step
+
+    def _take_shard(self, key: str, t: torch.Tensor) -> None:
+        assert self.shard_of is not None
+        s = self.shard_of[self.group_rank]
+        a, b = _chunks(t.shape[0], self.slices)[s]
+        local = t.to_local().detach()  # type: ignore[attr-defined]
+        if local.shape[0] != b - a:
+            raise SDCError(
+                f"snapshot: {key}'s local shard has {local.shape[0]} rows, sdc_agent expected "
+                f"{b - a} (slice {s} of {self.slices} of {t.shape[0]}): this torch shards "
+                "differently"
+            )
+        if a == b:
+            return
+        self._copy_into((key, s), local)
+
+    def _copy_into(self, at: tuple[str, int], part: torch.Tensor) -> None:
+        buf = self._buffers.get(at)
+        if buf is None or buf.shape != part.shape or buf.dtype != part.dtype:
+            buf = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=self._cuda)
+            self._buffers[at] = buf
+        buf.copy_(part, non_blocking=self._cuda)
+        if self._stream is not None:
+            part.record_stream(self._stream)
+
+    def _exchange(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Pure FSDP: send this rank's shards (from host memory) to the other holders of
+        its slice, and receive those of the slices it holds for others."""
+        assert self.shard_of is not None
+        started = time.perf_counter()
+        if self._event is not None:
+            self._event.synchronize()  # the host copies are what is sent
+        mine = self.shard_of[self.group_rank]
+        ops = []
+        received: list[tuple[int, torch.Tensor]] = []
+        for s, holders in enumerate(self.holders):
+            if s == mine:
+                payload = self._pack(s, tensors)
+                for h in holders[1:]:
+                    ops.append(
+                        dist.P2POp(dist.isend, payload, self._global(h), self._exchange_group)
+                    )
+            elif self.group_rank in holders[1:]:
+                buf = torch.empty(self._packed_size(s, tensors), dtype=torch.uint8)
+                ops.append(
+                    dist.P2POp(dist.irecv, buf, self._global(holders[0]), self._exchange_group)
+                )
+                received.append((s, buf))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for s, buf in received:
+            self._unpack(s, buf, tensors)
+        self.exchange_seconds += time.perf_counter() - started
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _slice_shape(self, t: torch.Tensor, s: int) -> tuple[int, ...]:
+        a, b = _chunks(t.shape[0], self.slices)[s]
+        return (b - a, *t.shape[1:])
+
+    def _packed_size(self, s: int, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        return sum(math.prod(self._slice_shape(t, s)) * t.element_size() for _, t in tensors)
+
+    def _pack(self, s: int, tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        parts = [
+            self._buffers[(key, s)].reshape(-1).view(torch.uint8)
+            for key, _ in tensors
+            if (key, s) in self._buffers
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def _unpack(self, s: int, flat: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        at = 0
+        for key, t in tensors:
+            shape = self._slice_shape(t, s)
+            size = math.prod(shape) * t.element_size()
+            if size == 0:
+                continue
+            part = flat[at : at + size].view(t.dtype).reshape(shape)
+            at += size
+            self._copy_into((key, s), part)
 
     def before_update(self) -> None:
         """The next optimizer step must not overwrite what a copy still reads (CUDA: the
@@ -402,7 +580,10 @@ class Snapshot:
             }
             # Objects go as bytes we serialize: DCP reads them back whole (it would take
             # a dict apart, and an optimizer's state dict is one it treats specially).
-            state[_INDEX] = _bytes({"step": self.step, "world": self.world, "tensors": shapes})
+            index = {"step": self.step, "world": self.world, "tensors": shapes}
+            if self.shard_of is not None:
+                index |= {"sharded": True, "slices": self.slices}
+            state[_INDEX] = _bytes(index)
             state[_OPTIM_REST] = _bytes(self._objects)
             state[_EXTRAS] = _bytes(self._extras)
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -419,9 +600,10 @@ def load_snapshot(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Load a snapshot written at detection into ``module`` (the model inside DDP) and
-    ``optimizer``, at any world size (every rank reads the whole state; no collective).
-    Returns the step and the registered extras' state dicts, by name."""
+    """Load a snapshot written at detection into ``module`` (the model inside DDP, or the
+    FSDP2 model) and ``optimizer``, at any world size and either layout (every rank reads
+    the whole state and keeps its own shards of it; no collective). Returns the step and the
+    registered extras' state dicts, by name."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -449,31 +631,67 @@ def load_snapshot(
     if not isinstance(index, dict):
         raise SDCError(f"{path}: not an sdc_agent snapshot (no {_INDEX})")
     world = int(index["world"])
+    sharded = bool(index.get("sharded"))
+    slices = int(index["slices"]) if sharded else world
     tensors: dict[str, torch.Tensor] = {}
     for i, (key, info) in enumerate(index["tensors"].items()):
         shape = info["shape"]
         n = shape[0] if shape else 1
         parts = []
-        for j, (a, b) in enumerate(_rows(n, world)):
+        cuts = _chunks(n, slices) if sharded else _rows(n, world)
+        for j, (a, b) in enumerate(cuts):
             if a == b:
                 continue
-            part = state.get(f"{key}#{(i + j) % world}")
+            s = j if sharded else (i + j) % world
+            part = state.get(f"{key}#{s}")
             if part is None:
-                raise SDCError(f"{path}: slice {(i + j) % world} of {key} is missing")
+                raise SDCError(f"{path}: slice {s} of {key} is missing")
             parts.append(part)
         tensors[key] = torch.cat(parts).reshape(shape)
     rest = state[_OPTIM_REST]
     model_sd = dict(rest["model"])
     model_sd.update({k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")})
-    module.load_state_dict(model_sd)
+    module.load_state_dict(_placed_like(model_sd, module.state_dict()))
     if optimizer is not None:
         opt_state: dict[Any, dict[str, Any]] = {i: dict(v) for i, v in rest["state"].items()}
         for key, v in tensors.items():
             if key.startswith("optim/"):
                 _, idx, name = key.split("/", 2)
                 opt_state.setdefault(int(idx), {})[name] = v
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for idx, per in opt_state.items():
+            like = params[int(idx)] if int(idx) < len(params) else None
+            opt_state[idx] = {
+                k: _placed_like({k: v}, {k: like})[k] if _is_t(v) else v for k, v in per.items()
+            }
         optimizer.load_state_dict({"state": opt_state, "param_groups": rest["param_groups"]})
     return int(index["step"]), dict(state[_EXTRAS])
+
+
+def _placed_like(full: dict[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
+    """Each whole tensor of ``full`` as this rank's shards where ``target`` has a
+    ``DTensor`` of its shape there (an FSDP2 model, sharded over however many ranks now):
+    each rank keeps its own part, no collective."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = dict(full)
+    for key, value in full.items():
+        like = target.get(key)
+        if isinstance(like, DTensor) and _is_t(value) and tuple(value.shape) == tuple(like.shape):
+            out[key] = distribute_tensor(
+                value.to(like.device_mesh.device_type),
+                like.device_mesh,
+                like.placements,
+                src_data_rank=None,
+            )
+    return out
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """``torch.chunk``'s row ranges (FSDP2's and DTensor's ``Shard(0)``): ``ceil(n / parts)``
+    rows each, the last ones shorter or empty."""
+    size = -(-n // parts) if parts else 0
+    return [(min(n, j * size), min(n, (j + 1) * size)) for j in range(parts)]
 
 
 def _bytes(obj: object) -> io.BytesIO:
