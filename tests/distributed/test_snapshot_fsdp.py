@@ -114,7 +114,8 @@ def _run(rank: int, world: int, root: str, layout: str, mode: str) -> dict[str, 
         fingerprint_backend="eager",
         snapshot_copies=2,
         snapshot_dir=str(Path(root) / layout),
-        snapshot_write_seconds=8.0,
+        # The roll call waits a quarter of it for the lost node: margin for a loaded machine.
+        snapshot_write_seconds=20.0,
         faults=faults,
     )
     guard = Guard(net, optimizer, loss_fn, config=config, reporter=None, start_step=start)
