@@ -86,7 +86,9 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
         fingerprint_backend="eager",
         snapshot_copies=2,
         snapshot_dir=root,
-        snapshot_write_seconds=8.0,
+        # The roll call waits a quarter of it for the lost node: margin for a loaded machine
+        # (a healthy rank that answers late is left out of the writers).
+        snapshot_write_seconds=20.0,
         faults=faults,
     )
     guard = Guard(model, optimizer, loss_fn, config=config, reporter=None, start_step=start)
