@@ -341,8 +341,11 @@ def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
     checkpoint(cluster, second, snap, 10, location="/fsx/ckpt/sdc-snapshot-step_10")
 
     def resumed_(incident: dict[str, Any]) -> bool:
+        # Succeeded, not only recorded: the intent is written before the job is patched, and
+        # resumeCheckpoint and lostWork come with the outcome.
         return any(
-            a["action"] == "resume-job" for a in (incident.get("status") or {}).get("actions", [])
+            a["action"] == "resume-job" and a.get("result") == "Succeeded"
+            for a in (incident.get("status") or {}).get("actions", [])
         )
 
     done = wait_for("snap resumed", incident_of(cluster, snap, resumed_))
