@@ -199,8 +199,13 @@ class Reporter:
         self.protocol_version = PROTOCOL_VERSION
         """The version reports are written in: the newest the operator accepts."""
         self.unreported: dict[str, int] = {}
-        """Fields the operator does not receive (left out for its older version) or does
-        not read (it said it ignored them), and how many reports lacked each."""
+        """Fields the operator did not receive (left out for its older version) or did not
+        read (it said it ignored them), and how many reports lacked each, since the start."""
+        self._left_out: set[str] = set()
+        """Fields left out of reports written in :attr:`_left_out_version`."""
+        self._left_out_version = PROTOCOL_VERSION
+        self._ignored: set[str] = set()
+        """Fields the operator's last answer to a report carrying them said it ignored."""
         self._undeliverable_since: float | None = None
         """When the oldest verdict that will never be delivered (refused, or that could not
         be sent) was submitted."""
@@ -260,7 +265,17 @@ class Reporter:
                 "undeliverable_verdict": self._undeliverable_since is not None,
                 "protocol_version": self.protocol_version,
                 "unreported": dict(self.unreported),
+                "not_received": self.not_received(),
             }
+
+    def not_received(self) -> list[str]:
+        """The fields the operator does not receive now, as heartbeats name them: those the
+        version reports are written in lacks, and those its answers still say it ignores
+        (an upgraded operator stops being named, while :attr:`unreported` keeps the counts)."""
+        with self._cond:
+            if self._left_out_version != self.protocol_version:
+                return sorted(self._ignored)
+            return sorted(self._left_out | self._ignored)
 
     def pending(self) -> int:
         with self._cond:
@@ -445,14 +460,17 @@ class Reporter:
     def _send_as(self, report: Report, version: int) -> str:
         """One attempt in protocol ``version``: ``again`` when the operator asked for
         another version (:attr:`protocol_version` has changed then)."""
-        if isinstance(report, HeartbeatReport) and self.unreported:
-            names = sorted(self.unreported)[:64]
-            report = dataclasses.replace(report, unreported=tuple(names))
+        if isinstance(report, HeartbeatReport) and (names := self.not_received()):
+            report = dataclasses.replace(report, unreported=tuple(names[:64]))
         self._retry_after = None
         left_out: list[str] = []
         body = encode_report(report, version=version, left_out=left_out)
         # (the heartbeat's own list of such fields is no news to an operator that lacks it)
         left_out = [name for name in left_out if name != "unreported"]
+        with self._cond:
+            if self._left_out_version != version:
+                self._left_out, self._left_out_version = set(), version
+            self._left_out.update(left_out)
         if left_out:
             self._unreported(left_out, f"the operator speaks protocol {version}, which lacks them")
         headers = {"Content-Type": "application/json"}
@@ -466,7 +484,7 @@ class Reporter:
             return "retry"
         if 200 <= status < 300:
             self._learn_versions(versions, None)
-            self._note_ignored(answer)
+            self._note_ignored(body, answer)
             return "delivered"
         detail = answer[:2048].decode("utf-8", "replace")
         if status == 422 and self._learn_versions(versions, detail):
@@ -579,13 +597,17 @@ class Reporter:
         )
         return True
 
-    def _note_ignored(self, answer: bytes) -> None:
+    def _note_ignored(self, body: bytes, answer: bytes) -> None:
+        """What the operator's answer says it ignored of the report it accepted; a field the
+        report carried that the answer no longer names is received again."""
         try:
             ignored = json.loads(answer).get("ignored") or []
         except (ValueError, AttributeError):
             return
-        if isinstance(ignored, list) and ignored:
-            names = [str(name) for name in ignored[:64]]
+        names = [str(name) for name in ignored[:64]] if isinstance(ignored, list) else []
+        with self._cond:
+            self._ignored = (self._ignored - set(json.loads(body))) | set(names)
+        if names:
             self._unreported(names, "the operator ignores them: it is older than this agent")
 
     def _unreported(self, names: list[str], why: str) -> None:

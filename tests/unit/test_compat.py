@@ -294,9 +294,11 @@ def test_an_agent_says_what_an_older_operator_ignores_and_follows_its_upgrade(
     that ignores ``bundle``) answers ``ignored``; the agent logs it once, counts it and
     names it in its heartbeats."""
 
+    upgraded = threading.Event()
+
     def older(body: bytes) -> list[str]:
         parse_report(body)
-        return ["bundle"] if "bundle" in json.loads(body) else []
+        return ["bundle"] if "bundle" in json.loads(body) and not upgraded.is_set() else []
 
     intake = Intake(older, header="1, 2")
     intakes.append(intake)
@@ -310,10 +312,49 @@ def test_an_agent_says_what_an_older_operator_ignores_and_follows_its_upgrade(
         reporter.submit(heartbeat(5))
         assert reporter.flush(10)
         counters = reporter.counters()
+        # The operator is upgraded: its answer to a report carrying the field no longer
+        # names it, and the heartbeats stop naming it (the counts stay).
+        upgraded.set()
+        reporter.submit(dataclasses.replace(reports(_current)[0], sent_at=time.time()))
+        reporter.submit(heartbeat(6))
+        assert reporter.flush(10)
+        after = reporter.counters()
     finally:
         reporter.close()
-    assert [r["version"] for r in intake.received] == [1, 2, 2]
+    assert [r["version"] for r in intake.received] == [1, 2, 2, 2, 2]
     assert counters["protocol_version"] == 2 and counters["unreported"] == {"bundle": 2}
-    assert intake.received[-1]["unreported"] == ["bundle"]
+    assert counters["not_received"] == ["bundle"]
+    assert intake.received[2]["unreported"] == ["bundle"]
+    assert "unreported" not in intake.received[-1]
+    assert after["not_received"] == [] and after["unreported"] == {"bundle": 2}
     said = [r.getMessage() for r in caplog.records if "does not receive" in r.getMessage()]
     assert len(said) == 1 and "bundle" in said[0]
+
+
+def test_what_an_older_version_lacked_is_not_named_once_the_operator_speaks_the_newer(
+    intakes: list[Intake],
+) -> None:
+    """Left out while the operator spoke version 1 (its release before the header); once it
+    is upgraded and advertises version 2, the fields arrive and no heartbeat names them."""
+    accept: dict[str, Callable[[bytes], list[str]]] = {"now": previous_intake}
+    intake = Intake(lambda body: accept["now"](body), header=None)
+    intakes.append(intake)
+    reporter = intake.reporter()
+    beat = dataclasses.replace(heartbeat(5), replay_dtype="bfloat16", replay_cap=7.8e-3)
+    try:
+        reporter.submit(dataclasses.replace(beat, sent_at=time.time()))
+        assert reporter.flush(10)
+        before = reporter.counters()
+        accept["now"], intake.header = lambda body: (parse_report(body), [])[1], "1, 2"
+        for step in (6, 7):  # the first answer advertises 2; the second is written in it
+            reporter.submit(dataclasses.replace(beat, step=step, sent_at=time.time()))
+            assert reporter.flush(10)
+        after = reporter.counters()
+    finally:
+        reporter.close()
+    assert [r["version"] for r in intake.received] == [1, 1, 2]
+    assert before["not_received"] == ["replay_cap", "replay_dtype"]
+    assert (after["protocol_version"], after["not_received"]) == (2, [])
+    assert intake.received[-1]["replay_dtype"] == "bfloat16"
+    assert "unreported" not in intake.received[-1]
+    assert after["unreported"] == {"replay_cap": 2, "replay_dtype": 2}
