@@ -37,11 +37,12 @@ from kubernetes import watch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # sdc_harness
 
-from tests.integration.cluster import Cluster, OperatorProcess  # noqa: E402
 from tests.integration.test_containment import Job, make_job, send, verdict  # noqa: E402
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report  # noqa: E402
+from sdc_harness.cluster import Cluster, OperatorProcess  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -24,12 +24,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # sdc_harness
 
-from tests.integration.cluster import Cluster, OperatorProcess, post  # noqa: E402
 from tests.integration.flood import Flood, bogus_token, token_reviews  # noqa: E402
 from tests.integration.test_containment import incident_in, make_job, verdict  # noqa: E402
 
 from sdc_agent.protocol import encode_report  # noqa: E402
+from sdc_harness.cluster import Cluster, OperatorProcess, post  # noqa: E402
 
 
 def main() -> None:

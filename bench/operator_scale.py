@@ -52,9 +52,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # sdc_harness
 
 from tests.integration import storm  # noqa: E402
-from tests.integration.cluster import Cluster, OperatorProcess  # noqa: E402
+
+from sdc_harness.cluster import Cluster, OperatorProcess  # noqa: E402
 
 SETTINGS = {
     # every simulated agent sends from 127.0.0.1: the per-address limit is for attackers
@@ -225,7 +227,7 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
     together with every node's heartbeat (a node's Reporter sends its verdict first)."""
     import resource
 
-    from tests.tls import issue
+    from sdc_harness.tls import issue
 
     directory = tmp / f"tls-{nodes}"
     directory.mkdir()

@@ -11,8 +11,9 @@ swapped for the loopback URL), the agent in every worker (``examples/train.py``:
 with gloo), TokenRequest/TokenReview. The job carries only the annotation
 ``hyperpod-sdc.dev/enabled: "true"``; the webhook wires its pods.
 
-Stand-in for the cluster (``Runner`` and ``Kubelet`` below): what the Kubeflow training
-operator and the kubelet would do. The runner creates the job's pods from its template, as
+Stand-in for the cluster (``sdc_harness.training.Runner`` and ``sdc_harness.kubelet``, the
+harness the integration tests share): what the Kubeflow training operator and the kubelet
+would do. The runner creates the job's pods from its template, as
 the training operator's ServiceAccount, bound to nodes that accept them (cordon and taints
 honoured). The kubelet stand-in reads each pod back as the API server stored it (the
 webhook's additions included) and starts two worker processes per pod from that spec: its
@@ -27,7 +28,7 @@ and kubelet of the operator's confirmation pod: it binds it to the node its affi
 and runs its command (``python -m sdc_agent.confirm BUNDLE``) as a process there, with the
 broken GPU still broken on the faulty node, and writes its exit code and termination
 message back. SageMaker is the loopback fake of the integration tests
-(tests/integration/fake_sagemaker.py), which checks each call against botocore's model and
+(scripts/sdc_harness/fake_sagemaker.py), which checks each call against botocore's model and
 counts them.
 
 Two scenarios: a clean run (no incident, no node touched; its final weights are the
@@ -46,30 +47,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-from kubernetes import client, config
+from kubernetes import client
+
+from sdc_harness.cluster import Cluster, OperatorProcess, register_chart_webhooks
+from sdc_harness.fake_sagemaker import FakeSageMaker
+from sdc_harness.tls import ca_and_certificate
+from sdc_harness.training import TRAINING_OPERATOR, Runner, training_operator
+from sdc_operator.confirmation import CONFIRMATION_LABEL
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests.integration.fake_sagemaker import FakeSageMaker  # noqa: E402
-from tests.tls import ca_and_certificate  # noqa: E402
-
 PYTHON = sys.executable
 NAMESPACE = "ml"
-OPERATOR_NAMESPACE = "hyperpod-sdc"
 RANKS_PER_POD = 2
 REPLICAS = 3
 STEPS = 60
@@ -77,11 +72,8 @@ INTERVAL = 10  # the replay audit and the weight check, every INTERVAL steps (re
 CHECKPOINT_EVERY = 30  # periodic checkpoints: longer than the audit interval, as in practice
 FAULT_STEP = 43  # caught by the audit of step 50; last clean step 40; periodic checkpoint 30
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
-GRACE_SECONDS = 30  # the pods' termination grace period (Kubernetes' default)
-TRAINING_OPERATOR = ("kubeflow", "training-operator")  # its namespace and ServiceAccount
 CLUSTER = "demo-cluster"  # the HyperPod cluster (the nodes' sagemaker.amazonaws.com/cluster-name)
 POLICY = "auto-replace-confirmed"
-CONFIRMATION_LABEL = "hyperpod-sdc.dev/confirmation"
 SECOND_OPINION_LABEL = "demo.hyperpod-sdc.dev/second-opinion"
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
@@ -104,650 +96,69 @@ def say(what: str) -> None:
     print(what, flush=True)
 
 
-# -- the real parts ------------------------------------------------------------------------
+# -- the cluster: the harness's API server, operator, training operator and kubelet ---------
 
 
-class ApiServer:
-    """etcd and kube-apiserver on loopback (the cached build), with the CRDs."""
+class Operator(OperatorProcess):
+    """The operator over HTTPS, its admission webhook registered as the chart renders it
+    before it starts (it does not start without its creator check registered), injecting
+    its loopback URL into the pods, replacing nodes under the demo's policy."""
 
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        out = subprocess.run(
-            [str(ROOT / "scripts" / "kube-apiserver.sh"), "start", str(state)],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-        self.kubeconfig = values["KUBECONFIG"]
-        self.api = config.new_client_from_config(self.kubeconfig)
-        self.core = client.CoreV1Api(self.api)
-        self.custom = client.CustomObjectsApi(self.api)
-        self.kubectl("create", "-f", str(ROOT / "crds"))
-        crd = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
-        self.kubectl("create", "--validate=false", "-f", str(crd))
-        for name in (
-            "sdcincidents.hyperpod-sdc.dev",
-            "sdcpolicies.hyperpod-sdc.dev",
-            "pytorchjobs.kubeflow.org",
-        ):
-            self.kubectl("wait", "--for", "condition=Established", f"crd/{name}", "--timeout=60s")
+    shared = False
 
-    def kubectl(self, *args: str) -> str:
-        done = subprocess.run(
-            ["kubectl", "--kubeconfig", self.kubeconfig, *args], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr}")
-        return done.stdout
-
-    def stop(self) -> None:
-        self.api.close()
-        subprocess.run([str(ROOT / "scripts" / "kube-apiserver.sh"), "stop", str(self.state)])
-
-    def node(self, name: str) -> dict[str, Any]:
-        return dict(json.loads(self.core.read_node(name, _preload_content=False).data))
-
-    def job(self, name: str) -> dict[str, Any]:
-        found = self.custom.get_namespaced_custom_object(
-            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name
-        )
-        return dict(found)
-
-    def incidents(self, job: str) -> list[dict[str, Any]]:
-        found = self.custom.list_namespaced_custom_object(
-            "hyperpod-sdc.dev",
-            "v1alpha1",
-            NAMESPACE,
-            "sdcincidents",
-            label_selector=f"hyperpod-sdc.dev/job={job}",
-        )
-        return list(found["items"])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class OperatorProcess:
     def __init__(
-        self,
-        server: ApiServer,
-        log: Path,
-        tls: tuple[Path, Path, Path],
-        extra_env: dict[str, str],
-        before_start: Callable[[str], None],
+        self, cluster: Cluster, log: Path, tls: tuple[Path, Path, Path], extra_env: dict[str, str]
     ) -> None:
-        """``before_start``: called with the admission URL before the operator starts (it
-        does not start without its creator check registered)."""
-        port, admission, metrics = free_port(), free_port(), free_port()
-        self.url = f"https://127.0.0.1:{port}"
-        self.admission_url = f"https://127.0.0.1:{admission}"
-        self.metrics_url = f"https://127.0.0.1:{metrics}"
-        before_start(self.admission_url)
-        ca, cert, key = tls
-        env = {
-            **os.environ,
-            "KUBECONFIG": server.kubeconfig,
-            "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
-            "HYPERPOD_SDC_LISTEN_PORT": str(port),
-            "HYPERPOD_SDC_ADMISSION_PORT": str(admission),
-            "HYPERPOD_SDC_METRICS_PORT": str(metrics),
-            "HYPERPOD_SDC_NAMESPACES": NAMESPACE,
-            "HYPERPOD_SDC_RESYNC_SECONDS": "2",
-            "HYPERPOD_SDC_TLS_CERT_FILE": str(cert),
-            "HYPERPOD_SDC_TLS_KEY_FILE": str(key),
-            "HYPERPOD_SDC_TLS_CA_FILE": str(ca),  # published as ConfigMap hyperpod-sdc-ca
-            "HYPERPOD_SDC_INJECT_OPERATOR_URL": self.url,
-            "HYPERPOD_SDC_TRUSTED_POD_CREATORS": "system:serviceaccount:{}:{}".format(
-                *TRAINING_OPERATOR
-            ),
-            "HYPERPOD_SDC_JOB_SWEEP_SECONDS": "2",
-            "HYPERPOD_SDC_REMEDIATION_POLICY": POLICY,
-            "AWS_DEFAULT_REGION": "us-west-2",
-            **extra_env,
-        }
-        self._log = open(log, "wb")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(
-            [PYTHON, "-m", "sdc_operator"], env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
-        import ssl
-        import urllib.request
-
-        trust = ssl.create_default_context(cafile=str(ca))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the operator exited; see {log}")
-            try:
-                with urllib.request.urlopen(f"{self.metrics_url}/readyz", timeout=1, context=trust):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"the operator did not become ready; see {log}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
-
-
-# -- the stand-in for the cluster ----------------------------------------------------------
-
-
-def schedulable(node: dict[str, Any]) -> bool:
-    """As the scheduler sees it for a pod without tolerations."""
-    spec = node.get("spec") or {}
-    taints = [t for t in spec.get("taints") or [] if t.get("effect") in ("NoSchedule", "NoExecute")]
-    return not spec.get("unschedulable") and not taints
-
-
-class Kubelet:
-    """What the kubelet does for a pod before its containers start, on this machine: the
-    env with downward-API fields resolved, the projected ServiceAccount token and the
-    ConfigMap volumes written under a directory per pod (``<pod dir>/<mountPath>/...``)."""
-
-    def __init__(self, server: ApiServer) -> None:
-        self.server = server
-
-    def materialize(self, pod: dict[str, Any], root: Path) -> tuple[dict[str, str], bool]:
-        """(the first container's env, whether the webhook wired the pod)."""
-        spec, meta = pod["spec"], pod["metadata"]
-        container = spec["containers"][0]
-        volumes = {v["name"]: v for v in spec.get("volumes") or []}
-        # A hostPath is this machine's own directory, where every pod mounts it.
-        mounts = {
-            m["mountPath"]: m["name"]
-            for m in container.get("volumeMounts") or []
-            if "hostPath" not in volumes[m["name"]]
-        }
-        for path, name in mounts.items():
-            target = root / path.lstrip("/")
-            target.mkdir(parents=True, exist_ok=True)
-            self.fill(pod, volumes[name], target)
-        env = {}
-        for var in container.get("env") or []:
-            if "value" in var:
-                value = str(var["value"])
-            else:
-                field_path = var["valueFrom"]["fieldRef"]["fieldPath"]
-                value = {
-                    "metadata.name": meta["name"],
-                    "metadata.namespace": NAMESPACE,
-                    "spec.nodeName": spec.get("nodeName", ""),
-                }[field_path]
-            for path in mounts:  # a file under a mount is in the pod's directory here
-                if value == path or value.startswith(path.rstrip("/") + "/"):
-                    value = str(root / value.lstrip("/"))
-            env[var["name"]] = value
-        wired = "hyperpod-sdc.dev/injection" in (meta.get("annotations") or {})
-        return env, wired
-
-    def fill(self, pod: dict[str, Any], volume: dict[str, Any], target: Path) -> None:
-        if "projected" in volume:
-            for source in volume["projected"]["sources"]:
-                sat = source["serviceAccountToken"]
-                review = self.server.core.create_namespaced_service_account_token(
-                    pod["spec"].get("serviceAccountName", "default"),
-                    NAMESPACE,
-                    {
-                        "spec": {
-                            "audiences": [sat["audience"]],
-                            "expirationSeconds": sat.get("expirationSeconds", 3600),
-                            "boundObjectRef": {
-                                "apiVersion": "v1",
-                                "kind": "Pod",
-                                "name": pod["metadata"]["name"],
-                                "uid": pod["metadata"]["uid"],
-                            },
-                        }
-                    },
-                )
-                (target / sat["path"]).write_text(review.status.token)
-        elif "configMap" in volume:
-            name = volume["configMap"]["name"]
-            deadline = time.monotonic() + 60
-            while True:  # a pod waits for a ConfigMap volume that does not exist yet
-                try:
-                    found = self.server.core.read_namespaced_config_map(name, NAMESPACE)
-                    break
-                except client.ApiException as exc:
-                    if exc.status != 404 or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
-            for key, value in (found.data or {}).items():
-                (target / key).write_text(value)
-        else:
-            raise RuntimeError(f"the demo's kubelet cannot mount volume {volume}")
-
-
-@dataclass
-class Runner:
-    """The Kubeflow training operator and the kubelet, as far as this job needs them."""
-
-    server: ApiServer
-    trainer: client.CoreV1Api
-    """The API as the training operator's ServiceAccount (a trusted pod creator)."""
-    kubelet: Kubelet
-    job: str
-    nodes: list[str]
-    faulty_node: str | None
-    work: Path
-    wired_pods: list[dict[str, Any]] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    placements: list[list[str]] = field(default_factory=list)
-    timeline: list[tuple[float, str, str]] = field(default_factory=list)
-    stopped_for_suspend: int = 0
-    running_env: dict[str, str] = field(default_factory=dict)
-    confirmations: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Confirmation pods seen, by name: node, process, exit code, termination message."""
-    second_opinion_on: str | None = None
-    """A healthy node on which to recompute the same bundle, by a copy of the operator's
-    confirmation pod made by hand (at the same time, to keep the demo short)."""
-
-    def note(self, kind: str, what: str) -> None:
-        at = time.monotonic() - self.started
-        self.timeline.append((round(at, 2), kind, what))
-        say(f"  {at:6.2f} s  {kind:<10} {what}")
-
-    def pods(self) -> list[str]:
-        return [f"{self.job}-master-0"] + [f"{self.job}-worker-{i}" for i in range(REPLICAS - 1)]
-
-    def start(self, job: dict[str, Any]) -> None:
-        """Create the job's pods on nodes that accept them (as the training operator) and
-        start their workers from the pods as the API server returns them (as the kubelet)."""
-        free = [n for n in self.nodes if schedulable(self.server.node(n))]
-        if len(free) < REPLICAS:
-            raise RuntimeError(f"only {len(free)} schedulable nodes for {REPLICAS} pods")
-        port = free_port()
-        placement = []
-        resume = None
-        for index, (pod_name, node) in enumerate(zip(self.pods(), free, strict=False)):
-            pod = self.create_pod(job, pod_name, index, node)
-            env, wired = self.kubelet.materialize(pod, self.work / "pods" / pod_name)
-            if not wired:
-                raise RuntimeError(f"the webhook did not wire pod {pod_name}: {pod['metadata']}")
-            self.wired_pods.append(pod)
-            resume = env.get("HYPERPOD_SDC_RESUME_MAX_STEP")
-            placement.append(node)
-            for local in range(RANKS_PER_POD):
-                rank = index * RANKS_PER_POD + local
-                worker_env = {
-                    "PATH": os.environ.get("PATH", ""),
-                    "HOME": os.environ.get("HOME", str(self.work)),
-                    "OMP_NUM_THREADS": "1",
-                    # what torchrun gives each worker
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(REPLICAS * RANKS_PER_POD),
-                    "LOCAL_RANK": str(local),
-                    "LOCAL_WORLD_SIZE": str(RANKS_PER_POD),
-                    **env,  # the container's env, as the API server stored the pod
-                }
-                if node == self.faulty_node and local == 1:
-                    worker_env["HYPERPOD_SDC_FAULTS"] = fault_spec(rank)  # the broken GPU
-                log = open(self.work / f"{pod_name}-{local}-{len(self.placements)}.log", "wb")  # noqa: SIM115
-                self.procs.append(
-                    subprocess.Popen(
-                        [
-                            PYTHON,
-                            str(ROOT / "examples" / "train.py"),
-                            "--steps",
-                            str(STEPS),
-                            "--checkpoint-dir",
-                            str(self.work / "ckpt"),
-                            "--checkpoint-every",
-                            str(CHECKPOINT_EVERY),
-                            "--result-file",
-                            str(self.work / "result.json"),
-                        ],
-                        env=worker_env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-                log.close()
-        self.placements.append(placement)
-        extra = f", HYPERPOD_SDC_RESUME_MAX_STEP={resume}" if resume else ""
-        self.note(
-            "runner",
-            f"pods on {', '.join(placement)} (wired by the webhook): "
-            f"{len(self.procs)} workers{extra}",
-        )
-
-    def create_pod(self, job: dict[str, Any], name: str, index: int, node: str) -> dict[str, Any]:
-        """The pod the Kubeflow training operator would make from the job's template."""
-        owner = job["metadata"]
-        replica = "master" if index == 0 else "worker"
-        template = job["spec"]["pytorchReplicaSpecs"][replica.capitalize()]["template"]
-        body = {
-            "metadata": {
-                "name": name,
-                "labels": {
-                    "training.kubeflow.org/operator-name": "pytorchjob-controller",
-                    "training.kubeflow.org/job-name": owner["name"],
-                    "training.kubeflow.org/replica-type": replica,
-                    "training.kubeflow.org/replica-index": str(max(0, index - 1)),
-                },
-                "ownerReferences": [
-                    {
-                        "apiVersion": "kubeflow.org/v1",
-                        "kind": "PyTorchJob",
-                        "name": owner["name"],
-                        "uid": owner["uid"],
-                        "controller": True,
-                    }
-                ],
-            },
-            "spec": {
-                **template["spec"],
-                "nodeName": node,  # the scheduler's part
-                "automountServiceAccountToken": False,
-            },
-        }
-        self.trainer.create_namespaced_pod(NAMESPACE, body)
-        # The kubelet's part: it reports the pod running once it starts the containers.
-        self.server.core.patch_namespaced_pod_status(
-            name, NAMESPACE, {"status": {"phase": "Running"}}
-        )
-        return dict(
-            json.loads(
-                self.server.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data
-            )
-        )
-
-    def stop(self) -> None:
-        """As the kubelet stops a pod: SIGTERM, then SIGKILL after the grace period."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.procs = []
-        for pod in self.pods():
-            self.server.core.delete_namespaced_pod(pod, NAMESPACE, grace_period_seconds=0)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            names = {p.metadata.name for p in self.server.core.list_namespaced_pod(NAMESPACE).items}
-            if not names & set(self.pods()):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("pods were not deleted")
-
-    def serve_confirmations(self) -> None:
-        """The scheduler and kubelet for confirmation pods: bind each to the node its
-        required node affinity names (it tolerates the quarantine taint and the cordon),
-        run its command there as a process (the faulty node's broken GPU still broken),
-        and write its end back as the kubelet would."""
-        core = self.server.core
-        for label in (CONFIRMATION_LABEL, SECOND_OPINION_LABEL):
-            listed = core.list_namespaced_pod(
-                NAMESPACE, label_selector=f"{label}=true", _preload_content=False
-            )
-            for pod in json.loads(listed.data)["items"]:
-                name = pod["metadata"]["name"]
-                if name not in self.confirmations:
-                    self.start_confirmation(pod)
-        for name, seen in self.confirmations.items():
-            proc = seen["proc"]
-            if seen.get("exit_code") is not None or proc.poll() is None:
-                continue
-            log = seen["termination_log"]
-            message = log.read_text() if log.exists() else ""
-            seen["exit_code"], seen["message"] = proc.returncode, message
-            terminated = {
-                "exitCode": proc.returncode,
-                "reason": "Completed" if proc.returncode == 0 else "Error",
-                "message": message,
-                "startedAt": seen["started_at"],
-                "finishedAt": now_iso(),
-            }
-            core.patch_namespaced_pod_status(
-                name,
-                NAMESPACE,
-                {
-                    "status": {
-                        "phase": "Succeeded" if proc.returncode == 0 else "Failed",
-                        "containerStatuses": [container_status({"terminated": terminated})],
-                    }
-                },
-            )
-            outcome = (json.loads(message) if message.startswith("{") else {}).get("outcome")
-            self.note(
-                "kubelet",
-                f"confirmation pod {name} on {seen['node']} exited {proc.returncode} ({outcome})",
-            )
-
-    def start_confirmation(self, pod: dict[str, Any]) -> None:
-        name = pod["metadata"]["name"]
-        affinity = pod["spec"]["affinity"]["nodeAffinity"]
-        terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        node = terms[0]["matchFields"][0]["values"][0]
-        self.server.core.create_namespaced_pod_binding(
-            name,
+        self.ca, cert, key = tls
+        super().__init__(
+            cluster,
             NAMESPACE,
-            {
-                "apiVersion": "v1",
-                "kind": "Binding",
-                "metadata": {"name": name},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": node},
-            },
-            _preload_content=False,
+            log,
+            scheme="https",
+            extra_env=extra_env,
+            resync_seconds="2",
+            tls_cert_file=str(cert),
+            tls_key_file=str(key),
+            tls_ca_file=str(self.ca),  # published as ConfigMap hyperpod-sdc-ca
+            trusted_pod_creators="system:serviceaccount:{}:{}".format(*TRAINING_OPERATOR),
+            job_sweep_seconds="2",
+            remediation_policy=POLICY,
         )
-        bound = json.loads(
-            self.server.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data
+
+    def environment(self) -> dict[str, str]:
+        return {"HYPERPOD_SDC_INJECT_OPERATOR_URL": self.url}
+
+    def before_start(self) -> None:
+        register_chart_webhooks(self.cluster, self.admission_url, self.ca)
+
+
+def faulty_gpu(faulty: str | None) -> tuple[Any, Any]:
+    """The env of a worker (node, rank, local rank) and of a confirmation pod (node): on
+    the faulty node, its second GPU is broken, and stays broken."""
+
+    def worker(node: str, rank: int, local: int) -> dict[str, str]:
+        broken = node == faulty and local == 1
+        return {"HYPERPOD_SDC_FAULTS": fault_spec(rank)} if broken else {}
+
+    def confirmation(node: str) -> dict[str, str]:
+        broken = node == faulty
+        return (
+            {"HYPERPOD_SDC_FAULTS": fault_spec(FAULTY_NODE * RANKS_PER_POD + 1)} if broken else {}
         )
-        root = self.work / "pods" / name
-        root.mkdir(parents=True, exist_ok=True)
-        env, _ = self.kubelet.materialize(bound, root)
-        (container,) = bound["spec"]["containers"]
-        log = root / "termination-log"
-        args = [
-            str(log) if a == container["terminationMessagePath"] else a for a in container["args"]
-        ]
-        assert container["command"] == ["python", "-m", "sdc_agent.confirm"], container["command"]
-        worker_env = {
-            "PATH": os.environ.get("PATH", ""),
-            "HOME": os.environ.get("HOME", str(self.work)),
-            "OMP_NUM_THREADS": "1",
-            **env,
-        }
-        if node == self.faulty_node:  # the broken GPU is still broken
-            worker_env["HYPERPOD_SDC_FAULTS"] = fault_spec(FAULTY_NODE * RANKS_PER_POD + 1)
-        started = now_iso()
-        self.server.core.patch_namespaced_pod_status(
-            name,
-            NAMESPACE,
-            {
-                "status": {
-                    "phase": "Running",
-                    "startTime": started,
-                    "containerStatuses": [container_status({"running": {"startedAt": started}})],
-                }
-            },
-        )
-        output = open(self.work / f"{name}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [PYTHON, "-m", "sdc_agent.confirm", *args],
-            env=worker_env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            cwd=root,
-            start_new_session=True,
-        )
-        output.close()
-        self.confirmations[name] = {
-            "node": node,
-            "proc": proc,
-            "termination_log": log,
-            "started_at": started,
-            "exit_code": None,
-        }
-        self.note("kubelet", f"confirmation pod {name} bound to {node}: {' '.join(args[:1])}")
-        labels = pod["metadata"].get("labels") or {}
-        if self.second_opinion_on and labels.get(CONFIRMATION_LABEL) == "true":
-            second_opinion(self.server, self, pod, self.second_opinion_on)
 
-    def run(self, timeout: float, watch: Any) -> bool:
-        """Drive the job to its end; ``watch`` is called every tick. True if it finished.
-
-        Level-based, like the real controllers: workers run while the job is not suspended
-        and their pod template is the job's current one. A suspension lifted again before
-        this loop saw it still shows as a changed template (the resume step was set).
-        """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            watch()
-            self.serve_confirmations()
-            job = self.server.job(self.job)
-            suspended = (job["spec"].get("runPolicy") or {}).get("suspend") is True
-            current = template_env(job)
-            if self.procs and (suspended or current != self.running_env):
-                self.stop()
-                self.stopped_for_suspend += 1
-                self.note("runner", "job suspended: workers stopped, pods deleted")
-            elif not suspended and not self.procs:
-                self.running_env = current
-                self.start(job)
-            elif self.procs and all(p.poll() is not None for p in self.procs):
-                codes = [p.returncode for p in self.procs]
-                if any(codes):
-                    self.note(
-                        "runner", f"workers failed with exit codes {codes}; logs in {self.work}"
-                    )
-                    return False
-                self.procs = []
-                return True
-            time.sleep(0.1)
-        self.note("runner", f"gave up after {timeout:.0f} s")
-        return False
-
-
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def container_status(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": "confirm",
-        "ready": False,
-        "restartCount": 0,
-        "image": "local/train",
-        "imageID": "",
-        "state": state,
-    }
-
-
-def template_env(job: dict[str, Any]) -> dict[str, str]:
-    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    return {e["name"]: e["value"] for e in template["containers"][0].get("env", [])}
+    return worker, confirmation
 
 
 # -- scenarios -------------------------------------------------------------------------------
 
 
-def admit_namespace(server: ApiServer) -> None:
+def admit_namespace(server: Cluster) -> None:
     """The cluster admin's step: an SDCPolicy admitting the demo's namespace, replacing
     nodes a confirmation run reproduced the fault on."""
-    server.custom.create_cluster_custom_object(
-        "hyperpod-sdc.dev",
-        "v1alpha1",
-        "sdcpolicies",
-        {
-            "apiVersion": "hyperpod-sdc.dev/v1alpha1",
-            "kind": "SDCPolicy",
-            "metadata": {"name": "demo"},
-            "spec": {"namespaces": [NAMESPACE], "remediationPolicy": POLICY},
-        },
-    )
+    server.policy("demo", {"namespaces": [NAMESPACE], "remediationPolicy": POLICY})
 
 
-def training_operator(server: ApiServer, base: Path) -> client.CoreV1Api:
-    """The API as the training operator's ServiceAccount, allowed to manage pods."""
-    namespace, account = TRAINING_OPERATOR
-    server.core.create_namespace({"metadata": {"name": namespace}})
-    server.core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
-    rbac = client.RbacAuthorizationV1Api(server.api)
-    rbac.create_cluster_role(
-        {
-            "metadata": {"name": "demo-training-operator"},
-            "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["pods"],
-                    "verbs": ["create", "get", "list", "delete"],
-                }
-            ],
-        }
-    )
-    rbac.create_cluster_role_binding(
-        {
-            "metadata": {"name": "demo-training-operator"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "demo-training-operator",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-        }
-    )
-    token = server.core.create_namespaced_service_account_token(
-        account, namespace, {"spec": {"expirationSeconds": 3600}}
-    ).status.token
-    kubeconfig = yaml.safe_load(Path(server.kubeconfig).read_text())
-    kubeconfig["users"][0]["user"] = {"token": token}
-    path = base / "training-operator.kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
-    return client.CoreV1Api(config.new_client_from_config(str(path)))
-
-
-def register_webhook(server: ApiServer, url: str, ca: Path) -> None:
-    """The chart's MutatingWebhookConfiguration and its creator check (the
-    ValidatingWebhookConfiguration a 1.20 API server gets) as it renders them, with the
-    operator's loopback URL in place of its Service and the demo CA as the caBundle."""
-    import base64
-
-    import helm_python as helm
-
-    chart = helm.Chart.load(str(ROOT / "charts" / "hyperpod-sdc"))
-    rendered = chart.render({}, name="hyperpod-sdc", namespace="hyperpod-sdc", is_install=True)
-    docs = [
-        d
-        for path, text in rendered.items()
-        if path.endswith(".yaml")
-        for d in yaml.safe_load_all(text)
-        if d
-    ]
-    (hook,) = [d for d in docs if d.get("kind") == "MutatingWebhookConfiguration"]
-    (check,) = [d for d in docs if d.get("kind") == "ValidatingWebhookConfiguration"]
-    for entry in hook["webhooks"] + check["webhooks"]:
-        path = entry["clientConfig"]["service"]["path"]
-        entry["clientConfig"] = {
-            "url": f"{url}{path}",
-            "caBundle": base64.b64encode(ca.read_bytes()).decode(),
-        }
-    admission = client.AdmissionregistrationV1Api(server.api)
-    admission.create_mutating_webhook_configuration(hook)
-    admission.create_validating_webhook_configuration(check)
-    time.sleep(1.0)  # the API server takes up a new webhook configuration within a second
-
-
-def create_job(server: ApiServer, name: str, checkpoints: Path) -> None:
+def create_job(server: Cluster, name: str, checkpoints: Path) -> None:
     container = {
         "name": "pytorch",
         "image": "local/train",
@@ -889,8 +300,8 @@ def lost_work(incident: dict[str, Any], checkpoints: list[dict[str, Any]]) -> di
     return out
 
 
-def node_state(server: ApiServer, name: str) -> tuple[Any, ...]:
-    node = server.node(name)
+def node_state(server: Cluster, name: str) -> tuple[Any, ...]:
+    node = server.get_node(name)
     return (
         node["metadata"].get("labels"),
         node["metadata"].get("annotations"),
@@ -900,7 +311,7 @@ def node_state(server: ApiServer, name: str) -> tuple[Any, ...]:
 
 
 def scenario(
-    server: ApiServer,
+    server: Cluster,
     trainer: client.CoreV1Api,
     nodes: list[str],
     name: str,
@@ -909,13 +320,40 @@ def scenario(
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
     create_job(server, name, work / "ckpt")
-    runner = Runner(server, trainer, Kubelet(server), name, nodes, faulty, work)
+    worker_env, confirmation_env = faulty_gpu(faulty)
+    runner = Runner(
+        server,
+        trainer,
+        NAMESPACE,
+        name,
+        nodes,
+        work,
+        command=[
+            PYTHON,
+            str(ROOT / "examples" / "train.py"),
+            "--steps",
+            str(STEPS),
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--checkpoint-every",
+            str(CHECKPOINT_EVERY),
+            "--result-file",
+            str(work / "result.json"),
+        ],
+        replicas=REPLICAS,
+        ranks_per_pod=RANKS_PER_POD,
+        worker_env=worker_env,
+        confirmation_env=confirmation_env,
+        serve_labels=(CONFIRMATION_LABEL, SECOND_OPINION_LABEL),
+    )
     if faulty is not None:
-        runner.second_opinion_on = nodes[0]
+        # the same bundle on a healthy node, at the same time (to keep the demo short)
+        healthy = nodes[0]
+        runner.on_confirmation = lambda pod: second_opinion(server, runner, pod, healthy)
     seen: set[tuple[str, str]] = set()
 
     def watch() -> None:
-        for incident in server.incidents(name):
+        for incident in server.incidents(NAMESPACE, name):
             for kind, text in milestones(incident):
                 if (incident["metadata"]["name"], kind) not in seen:
                     seen.add((incident["metadata"]["name"], kind))
@@ -935,7 +373,9 @@ def scenario(
     if faulty is not None:
         settle(server, runner, name, watch)
         opinion = second_opinion_result(runner, watch)
-    incidents = sorted(server.incidents(name), key=lambda i: int(i["spec"].get("detectionStep", 0)))
+    incidents = sorted(
+        server.incidents(NAMESPACE, name), key=lambda i: int(i["spec"].get("detectionStep", 0))
+    )
     checkpoints = checkpoints_in(work / "ckpt")
     return {
         "job": name,
@@ -950,23 +390,23 @@ def scenario(
         "timeline": runner.timeline,
         "nodes_before": before,
         "nodes_after": {n: node_state(server, n) for n in nodes},
-        "job_object": server.job(name),
+        "job_object": server.get_job(NAMESPACE, name),
         "confirmation_pods": {
-            k: {x: v[x] for x in ("node", "exit_code", "message")}
+            k: {"node": v.node, "exit_code": v.exit_code, "message": v.message}
             for k, v in runner.confirmations.items()
         },
         "second_opinion": opinion,
     }
 
 
-def settle(server: ApiServer, runner: Runner, job: str, watch: Any, timeout: float = 90) -> None:
+def settle(server: Cluster, runner: Runner, job: str, watch: Any, timeout: float = 90) -> None:
     """Run the confirmation pod to its end, until the incident records it (and, where it
     is confirmed, the policy's replacement)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         watch()
         runner.serve_confirmations()
-        incidents = server.incidents(job)
+        incidents = server.incidents(NAMESPACE, job)
         status = (incidents[0].get("status") or {}) if incidents else {}
         outcome = (status.get("confirmation") or {}).get("outcome")
         if outcome in ("not-confirmed", "unknown") or (
@@ -977,9 +417,7 @@ def settle(server: ApiServer, runner: Runner, job: str, watch: Any, timeout: flo
     runner.note("runner", f"the confirmation did not settle within {timeout:.0f} s")
 
 
-def second_opinion(
-    server: ApiServer, runner: Runner, original: dict[str, Any], healthy: str
-) -> None:
+def second_opinion(server: Cluster, runner: Runner, original: dict[str, Any], healthy: str) -> None:
     """The same bundle on a healthy node: a copy of the operator's confirmation pod,
     pinned to ``healthy``, made by hand (no incident accuses that node, so the operator
     would not make one)."""
@@ -1005,10 +443,10 @@ def second_opinion_result(runner: Runner, watch: Any, timeout: float = 90) -> di
         watch()
         runner.serve_confirmations()
         for name, seen in runner.confirmations.items():
-            if name.startswith("second-opinion-") and seen.get("exit_code") is not None:
-                message = seen.get("message") or ""
+            if name.startswith("second-opinion-") and seen.exit_code is not None:
+                message = seen.message
                 summary = json.loads(message) if message.startswith("{") else {}
-                return {"node": seen["node"], "exit_code": seen["exit_code"], "summary": summary}
+                return {"node": seen.node, "exit_code": seen.exit_code, "summary": summary}
         time.sleep(0.1)
     return {"error": f"no result within {timeout:.0f} s"}
 
@@ -1144,53 +582,21 @@ def main() -> int:
     )
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hyperpod-sdc-demo-"))
     base.mkdir(parents=True, exist_ok=True)
-    server = ApiServer(base / "apiserver")
+    server = Cluster(base / "apiserver")
     op: OperatorProcess | None = None
     sagemaker = FakeSageMaker()
     try:
         server.core.create_namespace({"metadata": {"name": NAMESPACE}})
-        server.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
         server.core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "worker"}})
         instances = {}
         for _ in range(REPLICAS + 1):
-            instance = "i-" + secrets.token_hex(9)[:17]
-            name = f"hyperpod-{instance}"
-            server.core.create_node(
-                {
-                    "metadata": {
-                        "name": name,
-                        "labels": {"sagemaker.amazonaws.com/cluster-name": CLUSTER},
-                    },
-                    "spec": {"providerID": f"aws:///us-west-2a/{instance}"},
-                }
-            )
-            # What the kubelet and the node lifecycle controller would do: the node is Ready,
-            # and loses the not-ready taint the API server gives every new node.
-            server.core.patch_node_status(
-                name,
-                {
-                    "status": {
-                        "conditions": [
-                            {"type": "Ready", "status": "True", "reason": "KubeletReady"}
-                        ]
-                    }
-                },
-            )
-            server.core.patch_node(
-                name, {"spec": {"taints": None}}, _content_type="application/merge-patch+json"
-            )
-            instances[name] = instance
+            node = server.node(labels={"sagemaker.amazonaws.com/cluster-name": CLUSTER}, ready=True)
+            instances[node["metadata"]["name"]] = node["spec"]["providerID"].rsplit("/", 1)[1]
         nodes = list(instances)
         admit_namespace(server)
         trainer = training_operator(server, base)
         tls = ca_and_certificate(base / "tls", "operator")
-        op = OperatorProcess(
-            server,
-            base / "operator.log",
-            tls,
-            sagemaker.env(),
-            lambda url: register_webhook(server, url, tls[0]),
-        )
+        op = Operator(server, base / "operator.log", tls, sagemaker.env())
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
         say(
             f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '

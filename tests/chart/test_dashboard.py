@@ -314,7 +314,7 @@ def rule_object(values: dict[str, Any] | None = None) -> dict[str, Any]:
 def test_alert_rules_match_the_crd_and_name_only_exported_metrics() -> None:
     crd = yaml.safe_load(
         (
-            ROOT / "tests" / "integration" / "crds" / "monitoring.coreos.com_prometheusrules.yaml"
+            ROOT / "scripts" / "sdc_harness" / "crds" / "monitoring.coreos.com_prometheusrules.yaml"
         ).read_text()
     )
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

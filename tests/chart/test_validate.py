@@ -21,7 +21,7 @@ import yaml
 from tests.chart.test_chart import ALL_ON, CERT_MANAGER, CHART, ROOT, TEST_CA, render
 
 VERSIONS = ("1.30.0", "1.33.0")
-CRD_DIR = ROOT / "tests" / "integration" / "crds"
+CRD_DIR = ROOT / "scripts" / "sdc_harness" / "crds"
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "all-optional-parts": ALL_ON,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from .cluster import Cluster, OperatorProcess
-from .fake_sagemaker import FakeSageMaker
+from sdc_harness.cluster import Cluster, OperatorProcess
+from sdc_harness.fake_sagemaker import FakeSageMaker
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import Cluster
+from sdc_harness.cluster import Cluster
 
 
 def bogus_token(audience: str = "hyperpod-sdc") -> str:

@@ -25,8 +25,8 @@ from kubernetes import watch
 
 from sdc_agent.protocol import HeartbeatReport, Report, ReporterIdentity, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
+from sdc_harness.cluster import Cluster
 
-from .cluster import Cluster
 from .test_containment import Job, verdict
 
 TIMEOUT_SECONDS = 5.0

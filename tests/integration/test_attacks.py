@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_harness.cluster import TRAINING_OPERATOR, Cluster, OperatorProcess, post, wait_for
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION
 from sdc_operator.webhook import ADMISSION_PATH
 
-from .cluster import TRAINING_OPERATOR, Cluster, OperatorProcess, post, wait_for
 from .test_containment import Job, make_job, send, verdict
 from .test_intake import snapshot
 

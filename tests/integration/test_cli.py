@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from sdc_harness.cluster import KUBECTL, Cluster, OperatorProcess, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator.incidents import JobRef, incident_name, new_incident
 from sdc_operator.names import ACTION_ANNOTATION
 
-from .cluster import KUBECTL, Cluster, OperatorProcess, wait_for
-from .fake_sagemaker import FakeSageMaker
 from .test_containment import Job, incident_in, make_job, verdict
 from .test_remediation import CLUSTER_LABEL, contain
 

@@ -24,11 +24,11 @@ import pytest
 from kubernetes.client import ApiException
 
 from sdc_agent.protocol import VerdictReport
+from sdc_harness import kubelet
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator.cli import render_describe
 
-from . import kubelet
-from .cluster import Cluster, OperatorProcess, wait_for
-from .fake_sagemaker import FakeSageMaker
 from .test_containment import Job, make_job, send, verdict
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,8 @@ import pytest
 
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
+from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
 from sdc_operator.names import INCIDENT_ANNOTATION, SUSPECT_KEY
-
-from .cluster import Cluster, OperatorProcess, post, wait_for
 
 RANKS_PER_NODE = 2
 

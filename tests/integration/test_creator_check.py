@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from sdc_harness.cluster import Cluster, OperatorProcess
+from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from tests.chart.test_chart import render
-from tests.tls import issue, make_ca
 
-from .cluster import Cluster, OperatorProcess
 from .test_webhook import TEST_LABEL, label
 
 TRUSTED = "system:serviceaccount:kubeflow:training-operator"

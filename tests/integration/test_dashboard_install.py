@@ -10,14 +10,14 @@ from pathlib import Path
 
 import yaml
 
+from sdc_harness.cluster import KUBECTL, ROOT, Cluster, wait_for
 from tests.chart.test_dashboard import ON
 
-from .cluster import KUBECTL, ROOT, Cluster, wait_for
 from .test_install import install
 
 CRD_NAME = "prometheusrules.monitoring.coreos.com"
 PROMETHEUSRULE_CRD = (
-    ROOT / "tests" / "integration" / "crds" / "monitoring.coreos.com_prometheusrules.yaml"
+    ROOT / "scripts" / "sdc_harness" / "crds" / "monitoring.coreos.com_prometheusrules.yaml"
 )
 
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
 from sdc_operator.names import SUSPECT_KEY
 
-from .cluster import Cluster, OperatorProcess, wait_for
 from .test_containment import Job, make_job, send, verdict
 from .test_intake import snapshot
 from .test_recovery import checkpoint

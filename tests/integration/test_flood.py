@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from .cluster import Cluster, OperatorProcess, post
+from sdc_harness.cluster import Cluster, OperatorProcess, post
+
 from .flood import Flood, bogus_token, token_reviews
 from .test_containment import incident_in, make_job, verdict
 

@@ -26,11 +26,11 @@ import pytest
 from kubernetes import client
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_harness.cluster import Cluster, OperatorProcess, post, post_split
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.webhook import ADMISSION_PATH
 
 from . import test_webhook
-from .cluster import Cluster, OperatorProcess, post, post_split
 from .test_webhook import (
     KUBEFLOW,
     Setup,

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 
 from sdc_agent.protocol import HeartbeatReport, ReplayKind, ReporterIdentity, encode_report
+from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
 
-from .cluster import Cluster, OperatorProcess, post, wait_for
 from .test_containment import Job, make_job
 
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here
 from tests.chart.test_chart import ALL_ON, render
 
-from .cluster import ROOT, Cluster, OperatorProcess, served_here
 from .test_containment import NOT_RESUMED, incident_in, make_job, send, verdict
 
 

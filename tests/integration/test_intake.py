@@ -18,8 +18,15 @@ import pytest
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
 from sdc_agent.reporter import Reporter, ReporterConfig
+from sdc_harness.cluster import (
+    Cluster,
+    OperatorProcess,
+    post,
+    post_split,
+    self_signed_cert,
+    wait_for,
+)
 
-from .cluster import Cluster, OperatorProcess, post, post_split, self_signed_cert, wait_for
 from .test_containment import Job, incident_in, make_job, send, verdict
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
-from .cluster import Cluster, OperatorProcess
+from sdc_harness.cluster import Cluster, OperatorProcess
+
 from .storm import Contained, burst, elected, heartbeats, job_of, summary, verdicts
 from .test_scale import STORM_SETTINGS
 

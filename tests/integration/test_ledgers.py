@@ -10,11 +10,11 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator import incidents, jobs, nodes
 from sdc_operator.incidents import JobRef, ResolvedSuspect, now_iso
 
-from .cluster import Cluster, OperatorProcess, wait_for
-from .fake_sagemaker import FakeSageMaker
 from .test_containment import Job, make_job, send, verdict
 
 CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
+from sdc_harness.cluster import Cluster, OperatorProcess, post, post_split
+from sdc_harness.tls import issue, make_ca
 from sdc_operator.webhook import ADMISSION_PATH
-from tests.tls import issue, make_ca
 
-from .cluster import Cluster, OperatorProcess, post, post_split
 from .test_attacks import assert_quiet, heartbeat
 from .test_containment import make_job
 

@@ -18,6 +18,7 @@ import pytest
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
 from sdc_operator import incidents
 from sdc_operator.actions import Actions
 from sdc_operator.caches import Caches
@@ -26,7 +27,6 @@ from sdc_operator.kube import Endpoint, Kube
 from sdc_operator.names import PRIOR_CORDON_ANNOTATION, SUSPECT_KEY
 from sdc_operator.settings import OperatorSettings
 
-from .cluster import Cluster, OperatorProcess, wait_for
 from .test_containment import Job, make_job, send, verdict
 
 FOREIGN = {"key": "example.com/maintenance", "value": "true", "effect": "NoSchedule"}

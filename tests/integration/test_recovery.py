@@ -17,8 +17,8 @@ from sdc_agent.protocol import (
     ResumeReport,
     encode_report,
 )
+from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
 
-from .cluster import Cluster, OperatorProcess, post, wait_for
 from .test_containment import (
     WORKLOAD,
     Job,

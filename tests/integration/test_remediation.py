@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator.names import INCIDENT_ANNOTATION, SUSPECT_KEY
 
-from .cluster import Cluster, OperatorProcess, wait_for
-from .fake_sagemaker import FakeSageMaker
 from .test_containment import Job, incident_in, make_job, send, verdict
 
 CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from .cluster import OPERATOR_NAMESPACE, Cluster, OperatorProcess, wait_for
-from .fake_sagemaker import FakeSageMaker
+from sdc_harness.cluster import OPERATOR_NAMESPACE, Cluster, OperatorProcess, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
+
 from .test_containment import make_job, send, verdict
 
 CLUSTER_LABEL = {"sagemaker.amazonaws.com/cluster-name": "ml-cluster"}

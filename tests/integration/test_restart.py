@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sdc_harness.cluster import Cluster, OperatorProcess
 from sdc_operator import incidents, nodes
 from sdc_operator.incidents import Action, JobRef, ResolvedSuspect
 
-from .cluster import Cluster, OperatorProcess
 from .test_containment import NOT_RESUMED, Job, incident_in, make_job, send, verdict
 
 AT = "2026-11-29T00:00:00Z"

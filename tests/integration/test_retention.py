@@ -7,13 +7,13 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from sdc_harness.cluster import Cluster
 from sdc_operator import incidents, nodes, retention
 from sdc_operator.caches import Caches
 from sdc_operator.incidents import Action, JobRef, ResolvedSuspect, Rules
 from sdc_operator.kube import Endpoint, Kube
 from sdc_operator.metrics import Metrics
 
-from .cluster import Cluster
 from .test_containment import Job, make_job, verdict
 
 OLD = "2020-01-01T00:00:00Z"

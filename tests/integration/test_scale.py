@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
+from sdc_harness.cluster import Cluster, OperatorProcess, post
 from sdc_operator.names import SUSPECT_KEY
 
-from .cluster import Cluster, OperatorProcess, post
 from .storm import (
     TIMEOUT_SECONDS,
     Contained,

@@ -12,11 +12,11 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from sdc_harness.cluster import KUBECTL, Cluster, OperatorProcess
 from sdc_operator.names import SUSPECT_KEY
 from sdc_operator.nodes import release_patch
 from sdc_operator.uninstall import CONFIRMATION_SELECTOR, MANAGED_SELECTOR
 
-from .cluster import KUBECTL, Cluster, OperatorProcess
 from .test_cli import sdc
 from .test_containment import Job, incident_in, make_job
 from .test_remediation import contain

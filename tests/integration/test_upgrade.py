@@ -16,10 +16,10 @@ from typing import Any
 
 from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_common.protocol import PROTOCOL_HEADER, HeartbeatReport, Report, encode_report
+from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
+from sdc_harness.fake_sagemaker import FakeSageMaker
 from tests import previous_protocol as previous
 
-from .cluster import Cluster, OperatorProcess, post, wait_for
-from .fake_sagemaker import FakeSageMaker
 from .test_containment import incident_in, make_job, verdict
 
 

@@ -24,12 +24,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
+from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.injection import INJECTION_ANNOTATION
 from tests.chart.test_chart import render
-from tests.tls import issue, make_ca
-
-from .cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
 
 TEST_LABEL = "hyperpod-sdc-test"
 POD_URL = "https://hyperpod-sdc.hyperpod-sdc.svc:443"  # what the pods are told
@@ -660,7 +659,7 @@ def test_the_cert_manager_variant_is_accepted(cluster: Cluster, tmp_path: Path) 
         if exc.status != 404:
             raise
         cluster.kubectl(
-            "create", "-f", str(ROOT / "tests/integration/crds/cert-manager.io_stand-in.yaml")
+            "create", "-f", str(ROOT / "scripts/sdc_harness/crds/cert-manager.io_stand-in.yaml")
         )
         for crd in ("certificates.cert-manager.io", "issuers.cert-manager.io"):
             cluster.kubectl("wait", "--for", "condition=Established", f"crd/{crd}", "--timeout=60s")

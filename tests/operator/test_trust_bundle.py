@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sdc_harness.tls import ca_and_certificate
 from sdc_operator.trust_bundle import FileStamp, ServingCertificate
-from tests.tls import ca_and_certificate
 
 
 def handshake(server: ssl.SSLContext, trusted_ca: Path) -> bool:

@@ -22,7 +22,7 @@ from sdc_agent.protocol import (
     parse_report,
 )
 from sdc_agent.reporter import Reporter, ReporterConfig
-from tests.tls import ca_and_certificate
+from sdc_harness.tls import ca_and_certificate
 
 ME = ReporterIdentity(rank=0, node="hyperpod-i-0abc", pod="job-worker-0")
 

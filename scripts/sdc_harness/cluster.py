@@ -1,9 +1,10 @@
 """A real Kubernetes API server on loopback (scripts/kube-apiserver.sh) and the operator
-as a real process, for the integration tests.
+as a real process, for the integration tests and the end-to-end demo.
 
 There is no scheduler and no kubelet: the tests create pods with ``spec.nodeName`` set,
-as the scheduler would, and nothing runs in them. Everything the operator sees and does
-goes through the real API server: TokenRequest, TokenReview, CRDs, patches, Events.
+as the scheduler would, and nothing runs in them (``sdc_harness.kubelet`` runs the pods
+that must run). Everything the operator sees and does goes through the real API server:
+TokenRequest, TokenReview, CRDs, patches, Events.
 """
 
 from __future__ import annotations
@@ -34,15 +35,13 @@ from sdc_operator.attestation import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+CRDS = Path(__file__).resolve().parent / "crds"
+"""Other projects' CRDs the cluster installs beside ours (crds/README.md)."""
 # Kubeflow training-operator v1.9.0's CRD (Apache-2.0), copied unchanged.
-PYTORCHJOB_CRD = ROOT / "tests" / "integration" / "crds" / "kubeflow.org_pytorchjobs.yaml"
-WORKLOAD_CRD = ROOT / "tests" / "integration" / "crds" / "kueue.x-k8s.io_workloads.yaml"
-HYPERPOD_CRD = (
-    ROOT / "tests" / "integration" / "crds" / "sagemaker.amazonaws.com_hyperpodpytorchjobs.yaml"
-)
-SERVICEMONITOR_CRD = (
-    ROOT / "tests" / "integration" / "crds" / "monitoring.coreos.com_servicemonitors.yaml"
-)
+PYTORCHJOB_CRD = CRDS / "kubeflow.org_pytorchjobs.yaml"
+WORKLOAD_CRD = CRDS / "kueue.x-k8s.io_workloads.yaml"
+HYPERPOD_CRD = CRDS / "sagemaker.amazonaws.com_hyperpodpytorchjobs.yaml"
+SERVICEMONITOR_CRD = CRDS / "monitoring.coreos.com_servicemonitors.yaml"
 JOB_API = {
     "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs"),
     "HyperPodPyTorchJob": ("sagemaker.amazonaws.com", "v1", "hyperpodpytorchjobs"),
@@ -202,7 +201,11 @@ class Cluster:
         hyperpod: bool = True,
         provider_id: bool = True,
         labels: dict[str, str] | None = None,
+        ready: bool = False,
     ) -> dict[str, Any]:
+        """A new node with an instance id of its own; ``ready``: as the kubelet and the
+        node lifecycle controller would make it, Ready and without the not-ready taint the
+        API server gives every new node (the tests' pods are bound without a scheduler)."""
         instance = "i-" + secrets.token_hex(9)[:17]
         name = (
             f"hyperpod-{instance}"
@@ -214,6 +217,12 @@ class Cluster:
             spec["providerID"] = f"aws:///us-west-2a/{instance}"
         body = {"metadata": {"name": name, "labels": labels or {}}, "spec": spec}
         self.core.create_node(body)
+        if ready:
+            ready_condition = {"type": "Ready", "status": "True", "reason": "KubeletReady"}
+            self.core.patch_node_status(name, {"status": {"conditions": [ready_condition]}})
+            self.core.patch_node(
+                name, {"spec": {"taints": None}}, _content_type="application/merge-patch+json"
+            )
         return self.get_node(name)
 
     def get_node(self, name: str) -> dict[str, Any]:
@@ -334,9 +343,11 @@ class Cluster:
         review = self.core.create_namespaced_service_account_token("worker", namespace, body)
         return str(review.status.token)
 
-    def incidents(self, namespace: str) -> list[dict[str, Any]]:
+    def incidents(self, namespace: str, job: str | None = None) -> list[dict[str, Any]]:
+        """The namespace's incidents (of ``job`` only, if given)."""
+        selector = f"hyperpod-sdc.dev/job={job}" if job is not None else ""
         found = self.custom.list_namespaced_custom_object(
-            "hyperpod-sdc.dev", "v1alpha1", namespace, "sdcincidents"
+            "hyperpod-sdc.dev", "v1alpha1", namespace, "sdcincidents", label_selector=selector
         )
         return list(found["items"])
 
@@ -344,8 +355,32 @@ class Cluster:
         return [e.to_dict() for e in self.core.list_namespaced_event(namespace).items]
 
 
+SHARED = {
+    # One election per test: a replica a test killed must not hold the next one's.
+    "HYPERPOD_SDC_LEASE_NAME": "leader-{namespace}",
+    # The tests share one API server and leave quarantined nodes behind: only the tests of
+    # the cap itself set one.
+    "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",
+    # The tests mark their pods as the training operator would, and register the creator
+    # check only where they test it (test_forged_review, test_creator_check).
+    "HYPERPOD_SDC_CREATOR_CHECK": "unchecked",
+    # Every test's agents post from 127.0.0.1, where in a cluster each pod has an address
+    # of its own: only the tests of the per-source bound set one.
+    "HYPERPOD_SDC_CONNECTIONS_PER_SOURCE": "100000",
+}
+"""The operator's settings where many tests share one API server and one source address."""
+
+
+def shared_settings(namespace: str) -> dict[str, str]:
+    return {name: value.format(namespace=namespace) for name, value in SHARED.items()}
+
+
 class OperatorProcess:
     """``python -m sdc_operator`` against the cluster, watching one namespace."""
+
+    shared = True
+    """The API server is shared with other tests' operators (:data:`SHARED`); a subclass
+    whose operator has it to itself (the demo's) sets it false."""
 
     def __init__(
         self,
@@ -358,7 +393,9 @@ class OperatorProcess:
         module: str = "sdc_operator",
         **settings: str,
     ) -> None:
-        """``module``: what ``python -m`` runs (a stand-in for another release's operator)."""
+        """``module``: what ``python -m`` runs (a stand-in for another release's operator);
+        ``settings``: ``HYPERPOD_SDC_<NAME>`` values (``dry_run="true"``)."""
+        self.cluster = cluster
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         """The tenants' intake (``/v1/reports`` only)."""
@@ -379,18 +416,9 @@ class OperatorProcess:
             "HYPERPOD_SDC_NAMESPACES": namespace,
             "HYPERPOD_SDC_RESYNC_SECONDS": "1",
             "HYPERPOD_SDC_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
-            # One election per test: a replica a test killed must not hold the next one's.
-            "HYPERPOD_SDC_LEASE_NAME": f"leader-{namespace}",
-            # The tests share one API server and leave quarantined nodes behind: only the
-            # tests of the cap itself set one.
-            "HYPERPOD_SDC_MAX_QUARANTINED_NODES": "100%",
-            # The tests mark their pods as the training operator would, and register the
-            # creator check only where they test it (test_forged_review, test_creator_check).
-            "HYPERPOD_SDC_CREATOR_CHECK": "unchecked",
-            # Every test's agents post from 127.0.0.1, where in a cluster each pod has an
-            # address of its own: only the tests of the per-source bound set one.
-            "HYPERPOD_SDC_CONNECTIONS_PER_SOURCE": "100000",
+            **(shared_settings(namespace) if self.shared else {}),
             "AWS_DEFAULT_REGION": "us-west-2",
+            **self.environment(),
             **{f"HYPERPOD_SDC_{k.upper()}": v for k, v in settings.items()},
             **(extra_env or {}),
         }
@@ -408,6 +436,11 @@ class OperatorProcess:
         except BaseException:
             self.stop()  # nobody else will: its log file must not be left open
             raise
+
+    def environment(self) -> dict[str, str]:
+        """More of the process's env, once the ports are chosen (a subclass's; settings
+        and ``extra_env`` override it)."""
+        return {}
 
     def before_start(self) -> None:
         """Called once the ports are chosen, before the process starts (a subclass
@@ -469,6 +502,37 @@ class OperatorProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def register_chart_webhooks(cluster: Cluster, url: str, ca: Path) -> None:
+    """The chart's MutatingWebhookConfiguration and its creator check (the
+    ValidatingWebhookConfiguration a 1.20 API server gets) as it renders them by default,
+    with ``url`` (the operator's admission listener) in place of its Service and ``ca``
+    as the caBundle."""
+    import helm_python as helm
+    import yaml
+
+    chart = helm.Chart.load(str(ROOT / "charts" / "hyperpod-sdc"))
+    rendered = chart.render({}, name="hyperpod-sdc", namespace="hyperpod-sdc", is_install=True)
+    docs = [
+        d
+        for path, text in rendered.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+    (hook,) = [d for d in docs if d.get("kind") == "MutatingWebhookConfiguration"]
+    (check,) = [d for d in docs if d.get("kind") == "ValidatingWebhookConfiguration"]
+    for entry in hook["webhooks"] + check["webhooks"]:
+        path = entry["clientConfig"]["service"]["path"]
+        entry["clientConfig"] = {
+            "url": f"{url}{path}",
+            "caBundle": base64.b64encode(ca.read_bytes()).decode(),
+        }
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    admission.create_mutating_webhook_configuration(hook)
+    admission.create_validating_webhook_configuration(check)
+    time.sleep(1.0)  # the API server takes up a new webhook configuration within a second
 
 
 def post(
