@@ -5,7 +5,7 @@ replacing only the confirmed node (the loopback SageMaker counts the calls).
 
 The bundles are written by the stand-in training script of the confirmation's own tests
 (tests/unit/training_script.py: a real audit-like flow on the CPU); the pods are run by
-a stand-in kubelet (tests/integration/kubelet.py) as local processes of
+a stand-in kubelet (scripts/sdc_harness/kubelet.py) as local processes of
 ``python -m sdc_agent.confirm``, with the emulated broken GPU
 (``HYPERPOD_SDC_FAULTS``) where the node is the faulty one."""
 
