@@ -712,8 +712,7 @@ class Guard:
             unit.restored(step)
         self._clean.restore(step)
         if self._snapshot is not None:
-            self._snapshot.holding = False
-            self._snapshot.take(step)
+            self._snapshot.restore(step)
         # The next Guard.step settles the layout first (DDPLayout.settle: DDP's buckets),
         # so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True

@@ -43,10 +43,23 @@ directory (keys ``<entry>#<slice>`` plus an index), and one of them marks it ver
 reports it. :func:`load_snapshot` reassembles it at any world size. The coordinator of the
 roll call is the lowest rank that is not a suspect: if it is lost too, nothing is written
 and the job falls back to its newest periodic verified checkpoint.
+
+The write uses no process group: the writers answered a roll call, so a group of them
+would have to be made by them alone (``new_group(..., use_local_synchronization=True)``),
+which torch names from how many groups each member has made, a count the first write
+leaves unequal (the next write's group then never forms), and whose collectives wait for a
+writer lost mid-write until the group's timeout, far past a pod's grace period. Instead
+each writer saves its slices alone (``dcp.save(no_dist=True)``, files named by its rank),
+hands its part of the checkpoint's metadata over the store, and the last to finish writes
+the directory's ``.metadata`` from all parts: the directory is one DCP checkpoint, complete
+only once every writer's files are there, and the others wait for it on the store up to
+the deadline. The store's keys carry the run, the snapshot's generation (one more at each
+restore) and its step, so a later write in the same processes never meets an earlier one's.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import io
@@ -54,6 +67,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -187,6 +201,8 @@ class Snapshot:
         """The step the host copy holds, ``None`` before the first."""
         self.holding = False
         """Set once a snapshot was written at detection: the loop applies nothing more."""
+        self.generation = 0
+        """Restores so far: a write's keys on the store carry it (every rank restores)."""
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._objects: dict[str, Any] = {}
         self._extras: dict[str, Any] = {}
@@ -384,6 +400,13 @@ class Snapshot:
         self._extras = {name: copy.deepcopy(dict(src())) for name, src in self.extras.items()}
         self.step = step
 
+    def restore(self, step: int) -> None:
+        """Every rank reloaded ``step``'s state (``Guard.restore``): keep it, hold nothing,
+        and start a new generation (a later write's keys differ from an earlier one's)."""
+        self.holding = False
+        self.generation += 1
+        self.take(step)
+
     def _take_shard(self, key: str, t: torch.Tensor) -> None:
         assert self.shard_of is not None
         s = self.shard_of[self.group_rank]
@@ -491,7 +514,7 @@ class Snapshot:
         if self._event is not None:
             self._event.synchronize()
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"hyperpod-sdc/snapshot/{self.run_id}/{step}/"
+        prefix = f"hyperpod-sdc/snapshot/{self.run_id}/{self.generation}/{step}/"
         me = self.group_rank
         suspect = set(suspects)
         # Only the rank that marked a checkpoint may know the directory: it travels along.
@@ -503,6 +526,12 @@ class Snapshot:
         coordinator = healthy[0]
         if me == coordinator:
             plan = self._plan(store, prefix, healthy, started + self.write_seconds / 4)
+            if plan["dir"] is not None:
+                # An earlier write of this step (before an in-process restore): the
+                # directory reads as incomplete until this write's .metadata replaces it.
+                (Path(plan["dir"]) / f"{SNAPSHOT_PREFIX}{step}" / ".metadata").unlink(
+                    missing_ok=True
+                )
             store.set(f"{prefix}plan", json.dumps(plan))
         try:
             store.wait([f"{prefix}plan"], timedelta(seconds=max(0.1, self.write_seconds / 2)))
@@ -524,9 +553,23 @@ class Snapshot:
         if me not in writers:
             return SnapshotWrite(step, path, True, writers, written_by, took)
         mine = tuple(s for s, r in written_by.items() if r == me)
-        group = dist.new_group(list(writers), backend="gloo", use_local_synchronization=True)
-        self._save(path, set(mine), group, first=me == writers[0])
-        dist.barrier(group=group)
+        part = self._save(path, set(mine), me, first=me == writers[0])
+        store.set(f"{prefix}part/{me}", base64.b64encode(pickle.dumps(part)).decode())
+        if store.add(f"{prefix}saved", 1) == len(writers):  # the last writer to finish
+            parts = [
+                pickle.loads(base64.b64decode(store.get(f"{prefix}part/{w}"))) for w in writers
+            ]
+            _merge_parts(path, parts)
+            store.set(f"{prefix}complete", "1")
+        try:
+            left = started + self.write_seconds - time.monotonic()
+            store.wait([f"{prefix}complete"], timedelta(seconds=max(0.1, left)))
+        except RuntimeError:
+            took = time.monotonic() - started
+            reason = "not every writer finished within snapshot_write_seconds"
+            return SnapshotWrite(
+                step, None, False, writers, written_by, took, wrote=mine, reason=reason
+            )
         if me == plan["marker"]:
             mark_checkpoint(path, step, verified=True, reporter=reporter, identity=identity)
         self.holding = True
@@ -567,7 +610,9 @@ class Snapshot:
             "marker": (with_reporter or answered or [-1])[0],
         }
 
-    def _save(self, path: str, mine: set[int], group: Any, *, first: bool) -> None:
+    def _save(self, path: str, mine: set[int], me: int, *, first: bool) -> Any:
+        """Save this writer's slices (and, the first writer, the index and the objects)
+        alone; returns its part of the checkpoint's metadata (see :func:`_merge_parts`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -587,12 +632,56 @@ class Snapshot:
             state[_OPTIM_REST] = _bytes(self._objects)
             state[_EXTRAS] = _bytes(self._extras)
         Path(path).mkdir(parents=True, exist_ok=True)
-        dcp.save(
-            state,
-            checkpoint_id=path,
-            process_group=group,
-            planner=DefaultSavePlanner(flatten_state_dict=False),
-        )
+        with warnings.catch_warnings():
+            # "torch.distributed is disabled ...": each writer saves alone, on purpose.
+            warnings.simplefilter("ignore", UserWarning)
+            return dcp.save(
+                state,
+                storage_writer=_writer_part(path, me),
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
+
+
+def _writer_part(path: str, rank: int) -> Any:
+    """One writer's share of a snapshot's DCP directory: its files named by its group rank
+    (``__<rank>_0.distcp``), its metadata returned by ``dcp.save`` with the storage
+    locations filled in and not written (the last writer writes ``.metadata`` for all)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class WriterPart(FileSystemWriter):
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return [
+                dataclasses.replace(
+                    plan, storage_data=dataclasses.replace(plan.storage_data, prefix=f"__{rank}_")
+                )
+                for plan in super().prepare_global_plan(plans)
+            ]
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+
+    return WriterPart(path)
+
+
+def _merge_parts(path: str, parts: Sequence[Any]) -> None:
+    """Write ``path/.metadata`` from every writer's part: the directory becomes one DCP
+    checkpoint (``FileSystemWriter.finish`` writes it atomically, through a rename)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    merged = Metadata(
+        state_dict_metadata={k: v for part in parts for k, v in part.state_dict_metadata.items()}
+    )
+    results = [
+        [
+            WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+            for index, info in part.storage_data.items()
+        ]
+        for part in parts
+    ]
+    FileSystemWriter(path).finish(merged, results)
 
 
 def load_snapshot(

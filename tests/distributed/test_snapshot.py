@@ -5,7 +5,8 @@ A four-node job (one rank per node) audits every 4 steps; a persistent gradient 
 rank 1 from step 10 is caught by the audit of step 12, when ``last_clean_step`` is 8. The
 healthy ranks write the snapshot of step 8 as a DCP checkpoint, rank 1's slice written by
 its second holder, while node 3 is lost (it never answers the write's roll call), so its
-slice is written by its second holder too. Restarted from that snapshot, the job ends
+slice is written by its second holder too. Restarted in the same processes from that
+snapshot, the job is caught again and writes it a second time. Restarted from it, the job ends
 bitwise equal to an uninterrupted clean run at the same world size, and, at three nodes,
 to a clean run that changed size at step 8. The clean run writes nothing and accuses
 nobody.
@@ -46,6 +47,7 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
     ``fault`` (the persistent fault, until it is caught), ``resume`` (from the verified
     snapshot at or before CLEAN), ``resized`` (from the torch.save of step CLEAN)."""
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
@@ -100,19 +102,33 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
         assert snapshot is not None
         snapshot.write_at_detection = lambda *a, **k: None  # type: ignore[method-assign, assignment]
     verdicts: list[dict[str, Any]] = []
-    for step in range(start + 1, STEPS + 1):
-        g = torch.Generator().manual_seed(step * 101 + rank)
-        x = torch.randn(8, 16, generator=g)
-        position["step"] = step  # the data position: this step's batch is taken
-        result = guard.step((x, x[:, :4] * 3.0))
-        verdicts.extend(v.to_dict() for v in result.verdicts)
-        if mode == "clean" and step == CLEAN and rank == 0:
-            torch.save(
-                {"model": net.state_dict(), "optimizer": optimizer.state_dict()},
-                Path(root) / f"clean_{CLEAN}.pt",
-            )
-        if verdicts and mode != "transient":
-            break
+
+    def train_from(start: int) -> None:
+        for step in range(start + 1, STEPS + 1):
+            g = torch.Generator().manual_seed(step * 101 + rank)
+            x = torch.randn(8, 16, generator=g)
+            position["step"] = step  # the data position: this step's batch is taken
+            result = guard.step((x, x[:, :4] * 3.0))
+            verdicts.extend(v.to_dict() for v in result.verdicts)
+            if mode == "clean" and step == CLEAN and rank == 0:
+                torch.save(
+                    {"model": net.state_dict(), "optimizer": optimizer.state_dict()},
+                    Path(root) / f"clean_{CLEAN}.pt",
+                )
+            if verdicts and mode != "transient":
+                break
+
+    train_from(start)
+    first_write = _written(guard.snapshot_write)
+    if mode == "fault":
+        # Restarted in the same processes from the snapshot just written: the fault is
+        # caught again and the same snapshot written a second time (its own store keys).
+        dist.barrier()  # the marker is written
+        step, _ = load_snapshot(select_checkpoint(root, max_step=CLEAN).path, net, optimizer)
+        position["step"] = step
+        guard.restore(step)
+        verdicts.clear()
+        train_from(step)
     snapshot = guard.snapshot
     out = {
         "digest": _digest(net),
@@ -121,22 +137,26 @@ def _train(rank: int, world: int, root: str, mode: str, start: int) -> dict[str,
         "snapshot_step": None if snapshot is None else snapshot.step,
         "bytes_per_rank": None if snapshot is None else snapshot.bytes_per_rank(),
         "state_bytes": None if snapshot is None else snapshot.state_bytes(),
-        "write": None,
+        "write": _written(guard.snapshot_write),
+        "first_write": first_write,
     }
-    if guard.snapshot_write is not None:
-        w = guard.snapshot_write
-        out["write"] = {
-            "step": w.step,
-            "path": w.path,
-            "complete": w.complete,
-            "writers": list(w.writers),
-            "written_by": w.written_by,
-            "wrote": list(w.wrote),
-            "seconds": w.seconds,
-            "reason": w.reason,
-        }
     guard.close()
     return out
+
+
+def _written(w: Any) -> dict[str, Any] | None:
+    if w is None:
+        return None
+    return {
+        "step": w.step,
+        "path": w.path,
+        "complete": w.complete,
+        "writers": list(w.writers),
+        "written_by": w.written_by,
+        "wrote": list(w.wrote),
+        "seconds": w.seconds,
+        "reason": w.reason,
+    }
 
 
 def test_a_persistent_fault_costs_one_audit_interval(tmp_path: Path) -> None:
@@ -153,14 +173,15 @@ def test_a_persistent_fault_costs_one_audit_interval(tmp_path: Path) -> None:
     v = fault[0]["verdicts"]
     assert v and v[0]["step"] == CAUGHT and v[0]["suspect_ranks"] == [SUSPECT]
     assert all(r["last_clean_step"] == CLEAN for r in fault)
-    writes = {r: fault[r]["write"] for r in range(4)}
-    assert writes[LOST] is None  # lost: it never took part
-    done = writes[0]
-    assert done["complete"] and done["step"] == CLEAN, done
-    assert done["writers"] == [0, 2]  # the suspect and the lost node wrote nothing
-    # Slice 1 (the suspect's) and slice 3 (the lost node's): their second holders.
-    assert done["written_by"] == {0: 0, 1: 2, 2: 2, 3: 0}
-    assert writes[SUSPECT]["wrote"] == []
+    for key in ("first_write", "write"):  # before and after the in-process restart
+        writes = {r: fault[r][key] for r in range(4)}
+        assert writes[LOST] is None  # lost: it never took part
+        done = writes[0]
+        assert done["complete"] and done["step"] == CLEAN, (key, done)
+        assert done["writers"] == [0, 2]  # the suspect and the lost node wrote nothing
+        # Slice 1 (the suspect's) and slice 3 (the lost node's): their second holders.
+        assert done["written_by"] == {0: 0, 1: 2, 2: 2, 3: 0}
+        assert writes[SUSPECT]["wrote"] == []
     path = Path(done["path"])
     assert path.name == f"sdc-snapshot-step_{CLEAN}"
     marker = json.loads((path.parent / (path.name + ".sdc.json")).read_text())
