@@ -219,6 +219,11 @@ def _owner_uid(pod: dict[str, Any]) -> list[str]:
     ]
 
 
+def _confirmation_pod(pod: dict[str, Any]) -> list[bool]:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return [True] if labels.get(confirmation.CONFIRMATION_LABEL) == "true" else []
+
+
 def _job_uid(incident: dict[str, Any]) -> list[str]:
     uid = ((incident.get("spec") or {}).get("job") or {}).get("uid")
     return [str(uid)] if uid else []
@@ -239,6 +244,7 @@ class Caches:
         scope: list[str | None] = list(namespaces) or [None]
         self.pods = InformerSet(kube, "v1", "pods", scope, project=project_pod, on_change=on_pod)
         self.pods.add_index("owner", _owner_uid)
+        self.pods.add_index("confirmation", _confirmation_pod)
         self.nodes = Informer(kube, "v1", "nodes", project=project_node)
         self.jobs = {
             key: InformerSet(kube, key[0], plural, scope, project=project_job)
@@ -278,6 +284,9 @@ class Caches:
 
     def pods_of(self, owner_uid: str) -> list[dict[str, Any]]:
         return self.pods.by("owner", owner_uid)
+
+    def confirmation_pods(self) -> list[dict[str, Any]]:
+        return self.pods.by("confirmation", True)
 
     def incidents_of(self, job_uid: str) -> list[dict[str, Any]]:
         return self.incidents.by("job", job_uid)

@@ -18,7 +18,10 @@ Pure decisions (no cluster), for the engine and :mod:`.actions`:
   it could not run (unschedulable, the image, a timeout, deleted);
 - the status that records it (:func:`record`): ``status.confirmation`` and the condition
   ``Confirmed`` (True: the fault came back on a GPU of the node; False: it did not; Unknown
-  with the reason).
+  with the reason);
+- which pods are left over (:func:`orphaned`): a pod given up on is deleted right after its
+  result is recorded, so an operator that dies in between leaves it holding the node's GPUs
+  until its deadline; the next leader finds it from the records.
 
 The result is the job's own word: the pod runs the job's image with the job's
 ServiceAccount, as the training did (docs/confirmation.md, "Trust").
@@ -50,6 +53,7 @@ __all__ = [
     "confirmed_node",
     "is_running",
     "judge",
+    "orphaned",
     "outcome_of",
     "pod_body",
     "pod_name",
@@ -639,6 +643,40 @@ def judge(
         message = f"{after}: {waiting.get('reason')}: {waiting.get('message') or ''}".strip()
         return "unknown", "CouldNotStart", message, base
     return "unknown", "NotStarted", f"{after} (phase {phase or 'Pending'})", base
+
+
+def orphaned(pod: Mapping[str, Any], incidents: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the confirmation pod ``pod`` is to be deleted now, or ``None``: it has not ended
+    (it holds the node's GPUs until its deadline), and every incident whose record reads it
+    (``status.confirmation.podUid``: the one that made it and those sharing it) has
+    recorded its result. That is what an operator that died between recording the result
+    and deleting the pod leaves (the record is the intent; the delete is by uid, so a pod
+    made since under the name is never touched). ``incidents``: those of the pod's
+    namespace. A pod no record reads yet is left alone: its create may be recorded
+    ``Pending`` (a restart finds it and reads it), and a pod whose incident is gone is
+    the garbage collector's (its owner reference)."""
+    meta = pod.get("metadata") or {}
+    uid = meta.get("uid")
+    if (
+        not uid
+        or meta.get("deletionTimestamp")
+        or (meta.get("labels") or {}).get(CONFIRMATION_LABEL) != "true"
+        or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    ):
+        return None
+    readers = [
+        (incident, record)
+        for incident in incidents
+        if (incident.get("metadata") or {}).get("namespace") == meta.get("namespace")
+        for record in [_status(incident).get("confirmation") or {}]
+        if record.get("podUid") == uid
+    ]
+    if not readers or any(r.get("outcome") not in OUTCOMES for _, r in readers):
+        return None
+    said = ", ".join(
+        f"{(i.get('metadata') or {}).get('name')} ({r.get('outcome')})" for i, r in readers
+    )
+    return f"its result is recorded ({said}) and it has not ended"
 
 
 def outcome_of(status: Mapping[str, Any]) -> str | None:

@@ -20,6 +20,7 @@ the incident again and applies the same change to what it finds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -109,6 +110,8 @@ class IncidentEngine:
         self._agreed_at: dict[Key, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._pass: asyncio.Task[None] | None = None
+        self._sweep: asyncio.Task[int] | None = None
+        """The sweep of left-over confirmation pods of the counted pass under way."""
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -815,20 +818,67 @@ class IncidentEngine:
         await self.effects.emit(incident, reason, message, outcome != "not-confirmed")
         log.warning("incident %s/%s: confirmation %s: %s", *_key_of(incident), outcome, message)
 
-    async def _delete_pod(self, pod: dict[str, Any], uid: str) -> None:
+    async def _delete_pod(self, pod: dict[str, Any], uid: str) -> bool:
         """Delete the confirmation pod by its uid (the one recorded when it was created,
         else the cache's): a pod made since under its name (by a tenant, or a later
-        confirmation) is not deleted (409)."""
+        confirmation) is not deleted (409). Whether this call deleted it."""
         meta = pod["metadata"]
         namespace, name = str(meta.get("namespace", "")), str(meta["name"])
         uid = uid or str(meta.get("uid") or "")
         try:
             found = await self.effects.delete_pod(namespace, name, uid)
-        except ApiError as exc:
+        except Exception as exc:  # the next resync's sweep tries again
             log.warning("could not delete confirmation pod %s/%s: %s", namespace, name, exc)
-            return
+            return False
         if found == "replaced":
             log.info("confirmation pod %s/%s was replaced since; left alone", namespace, name)
+        return found == "deleted"
+
+    def _left_over(self) -> list[dict[str, Any]]:
+        """The confirmation pods left over (:func:`.confirmation.orphaned`)."""
+        return [
+            pod
+            for pod in self.caches.confirmation_pods()
+            if confirmation.orphaned(pod, self._readers(str(pod["metadata"].get("namespace"))))
+        ]
+
+    async def sweep_confirmation_pods(self, pods: list[dict[str, Any]]) -> int:
+        """Delete the confirmation pods left over (:meth:`_left_over`: every incident that
+        reads one has recorded its result, and it has not ended), as a leader does at its
+        start and at every counted resync pass; how many were deleted. Each under the locks
+        of the incidents that read it, looked at again there (a reconcile that just recorded
+        the result deletes it itself), and by its uid: one delete per pod."""
+        deleted = 0
+        for pod in pods:
+            namespace = str(pod["metadata"].get("namespace") or "")
+            name, uid = str(pod["metadata"]["name"]), str(pod["metadata"]["uid"])
+            readers = sorted(
+                _key_of(i)
+                for i in self._readers(namespace)
+                if ((i.get("status") or {}).get("confirmation") or {}).get("podUid") == uid
+            )
+            async with contextlib.AsyncExitStack() as held:
+                for key in readers:
+                    await held.enter_async_context(self._lock(key))
+                now = self.caches.pods.get(namespace, name)
+                if not self.leader or now is None or now["metadata"].get("uid") != uid:
+                    continue
+                why = confirmation.orphaned(now, self._readers(namespace))
+                if why is None:
+                    continue
+                log.warning("confirmation pod %s/%s: %s; deleting it", namespace, name, why)
+                if await self._delete_pod(now, uid):
+                    deleted += 1
+        return deleted
+
+    def _readers(self, namespace: str) -> list[dict[str, Any]]:
+        """The incidents of ``namespace`` that record a confirmation pod."""
+        return [
+            i
+            for i in self.caches.incidents.values()
+            if i["metadata"].get("namespace") == namespace
+            and ((i.get("status") or {}).get("confirmation") or {}).get("podUid")
+        ]
 
     async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:
         phase, value, reason, message = summary
@@ -856,13 +906,14 @@ class IncidentEngine:
 
     def resync(self) -> None:
         """Drive every unfinished incident (after a restart, a change of leader or a
-        failed action). Where no counted pass is in progress, this resync starts one:
-        ``hyperpod_sdc_resyncs_total`` goes up once every reconcile it drove has ended
-        (counted passes never overlap, so two increments after a moment mean a whole pass
-        began and ended after it)."""
+        failed action). Where no counted pass is in progress, this resync starts one,
+        with a sweep of the confirmation pods left over (:meth:`sweep_confirmation_pods`):
+        ``hyperpod_sdc_resyncs_total`` goes up once every reconcile it drove and the sweep
+        have ended (counted passes never overlap, so two increments after a moment mean a
+        whole pass began and ended after it)."""
         if not self.leader:
             return
-        driven: list[asyncio.Task[None]] = []
+        driven: list[asyncio.Task[Any]] = []
         for incident in self.caches.incidents.values():
             meta = incident["metadata"]
             if incidents.pending_actions(incident, self.rules_for(meta["namespace"])):
@@ -872,9 +923,14 @@ class IncidentEngine:
                     driven.append(task)
         self.refresh_quarantined()
         if self._pass is None or self._pass.done():
-            self._pass = asyncio.get_running_loop().create_task(self._count_pass(driven))
+            loop = asyncio.get_running_loop()
+            left = self._left_over()
+            if left:
+                self._sweep = loop.create_task(self.sweep_confirmation_pods(left))
+                driven.append(self._sweep)
+            self._pass = loop.create_task(self._count_pass(driven))
 
-    async def _count_pass(self, driven: list[asyncio.Task[None]]) -> None:
+    async def _count_pass(self, driven: list[asyncio.Task[Any]]) -> None:
         if driven:
             await asyncio.wait(driven)
         if self.leader:
@@ -882,8 +938,9 @@ class IncidentEngine:
 
     async def close(self) -> None:
         tasks = [*self._reconciles.values(), *self._flushers.values(), *self._background]
-        if self._pass is not None:
-            tasks.append(self._pass)
+        for extra in (self._pass, self._sweep):
+            if extra is not None:
+                tasks.append(extra)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,6 +12,7 @@ a stand-in kubelet (scripts/sdc_harness/kubelet.py) as local processes of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -294,6 +295,86 @@ def test_two_incidents_of_one_node_share_one_confirmation_pod(
         assert condition(incident)[:2] == ("True", "Reproduced")
         assert incident["status"]["confirmation"]["podUid"] == pod["metadata"]["uid"]
     assert len(pods_for(cluster, namespace, "train")) == 1
+
+
+def result_recorded_before_the_delete(cluster: Cluster, namespace: str, job: str) -> None:
+    """What an operator that gave the pod up and died before deleting it leaves: the
+    result (``Unknown/NotStarted``) recorded, the pod still there."""
+    incident = incident_of(cluster, namespace, job)
+    assert incident is not None
+    status = incident["status"]
+    why = "not started 300 s after it was created (phase Pending)"
+    status["confirmation"] = {
+        **status["confirmation"],
+        "outcome": "unknown",
+        "reason": why,
+        "finishedAt": kubelet._now(),
+    }
+    (confirmed_,) = [c for c in status["conditions"] if c["type"] == "Confirmed"]
+    confirmed_.update(status="Unknown", reason="NotStarted", message=why)
+    cluster.custom.replace_namespaced_custom_object_status(
+        "hyperpod-sdc.dev",
+        "v1alpha1",
+        namespace,
+        "sdcincidents",
+        incident["metadata"]["name"],
+        incident,
+    )
+
+
+def test_a_pod_left_by_a_crash_after_its_result_was_recorded_is_deleted_once_on_restart(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    checkpoints: Path,
+) -> None:
+    """The operator recorded that it gave a confirmation pod up and died before deleting
+    it: the pod, scheduled on the quarantined node, would hold its GPUs until its deadline.
+    The next operator deletes it at its start, once (by its uid: one DELETE, and the
+    pod, Terminating with no kubelet here, is not deleted again at the next passes),
+    while another job's confirmation pod that its incident still reads is left alone.
+    Without the sweep the pod stays."""
+    bundle = bundle_in(checkpoints)
+    jobs = [make_job(cluster, namespace, name) for name in ("train", "other")]
+    op = start_operator()
+    for job in jobs:
+        with_volume(cluster, job, checkpoints)
+        contain(cluster, op, job, bundle)
+    pods = {job.name: one_pod(cluster, namespace, job.name) for job in jobs}
+
+    def running(name: str) -> bool:
+        status = (incident_of(cluster, namespace, name) or {}).get("status") or {}
+        return bool(status.get("confirmation", {}).get("podUid"))
+
+    for job in jobs:
+        wait_for(f"{job.name}'s confirmation running", functools.partial(running, job.name))
+    left = pods["train"]
+    kubelet.bind(cluster, left, kubelet.pinned_node(left))  # scheduled: it holds the GPUs
+    op.kill()
+    result_recorded_before_the_delete(cluster, namespace, "train")
+    op = start_operator()
+
+    def deleted() -> bool:
+        found = pods_for(cluster, namespace, "train")
+        return not found or all(p["metadata"].get("deletionTimestamp") for p in found)
+
+    wait_for("the left-over confirmation pod deleted", deleted)
+    (terminating,) = pods_for(cluster, namespace, "train")  # no kubelet: Terminating
+    assert terminating["metadata"]["uid"] == left["metadata"]["uid"]
+    op.resynced(2)  # two more whole passes, each with its sweep
+    deletes = [
+        float(line.rsplit(" ", 1)[1])
+        for line in op.metrics().splitlines()
+        if line.startswith("hyperpod_sdc_api_requests_total{")
+        and all(f'{k}="{v}"' in line for k, v in (("verb", "delete"), ("resource", "pods")))
+    ]
+    assert sum(deletes) == 1, deletes
+    assert "its result is recorded" in op.log()
+    (still,) = pods_for(cluster, namespace, "other")
+    assert still["metadata"]["uid"] == pods["other"]["metadata"]["uid"]
+    assert not still["metadata"].get("deletionTimestamp")
+    other = incident_of(cluster, namespace, "other")
+    assert other is not None and other["status"]["confirmation"]["outcome"] == "running"
 
 
 def test_a_tenants_look_alike_pod_under_our_name_is_not_adopted(

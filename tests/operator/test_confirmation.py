@@ -768,3 +768,47 @@ def test_two_incidents_confirming_one_node_at_once_make_one_pod() -> None:
     assert made.result == shared.result == "Succeeded"
     assert shared.fields["confirmation"]["sharedFrom"] == first["metadata"]["name"]
     assert shared.fields["confirmation"]["podUid"] == made.fields["confirmation"]["podUid"]
+
+
+def test_a_pod_left_running_after_every_reader_recorded_its_result_is_orphaned() -> None:
+    """The operator died between recording the result and deleting the pod it gave up
+    on: the pod still runs (it holds the node's GPUs until its deadline). It is deleted
+    once no record reads it any more; a pod that ended, one being deleted, one a record
+    still reads (running, or shared by a running incident) and one no record names yet
+    (its create may be recorded Pending) are left alone."""
+    pod: dict[str, Any] = {
+        "metadata": {
+            "namespace": "ml",
+            "name": "sdc-confirm-llama-0123456789",
+            "uid": "pod-uid",
+            "labels": {confirmation.CONFIRMATION_LABEL: "true"},
+        },
+        "status": {"phase": "Pending"},
+    }
+    running = {"outcome": "running", "pod": pod["metadata"]["name"], "podUid": "pod-uid"}
+    given_up = {**running, "outcome": "unknown", "reason": "not started 300 s after"}
+    owner = incident({**quarantined(), "confirmation": given_up})
+    why = confirmation.orphaned(pod, [owner])
+    assert why is not None and "llama-1200-3f9a0b1c (unknown)" in why
+    for phase in ("Succeeded", "Failed"):
+        assert confirmation.orphaned({**pod, "status": {"phase": phase}}, [owner]) is None
+    deleting = copy.deepcopy(pod)
+    deleting["metadata"]["deletionTimestamp"] = AT
+    assert confirmation.orphaned(deleting, [owner]) is None
+    assert confirmation.orphaned(pod, []) is None  # no record reads it: not ours to judge
+    still = incident({**quarantined(), "confirmation": running})
+    assert confirmation.orphaned(pod, [still]) is None
+    sharer = incident({**quarantined(), "confirmation": {**running, "sharedFrom": "x"}})
+    sharer["metadata"] = {"namespace": "ml", "name": "llama-1300-aaaa", "uid": "inc-2"}
+    assert confirmation.orphaned(pod, [owner, sharer]) is None
+    sharer["status"]["confirmation"]["outcome"] = "confirmed"
+    assert confirmation.orphaned(pod, [owner, sharer]) is not None
+    elsewhere = copy.deepcopy(still)  # another namespace's record of the same uid: not a reader
+    elsewhere["metadata"]["namespace"] = "team-b"
+    assert confirmation.orphaned(pod, [owner, elsewhere]) is not None
+    another = copy.deepcopy(pod)
+    another["metadata"]["uid"] = "a-later-pod"  # made since under the name: no record reads it
+    assert confirmation.orphaned(another, [owner]) is None
+    unlabelled = copy.deepcopy(pod)
+    unlabelled["metadata"]["labels"] = {}
+    assert confirmation.orphaned(unlabelled, [owner]) is None

@@ -34,6 +34,9 @@ class Caches:
     def namespace_labels(self, namespace: str) -> dict[str, str]:
         return {}
 
+    def confirmation_pods(self) -> list[dict[str, Any]]:
+        return []
+
 
 def passes(metrics: Metrics) -> float:
     value = metrics.registry.get_sample_value("hyperpod_sdc_resyncs_total")
