@@ -108,6 +108,8 @@ class IncidentEngine:
         self._seen: dict[Key, set[str]] = {}
         self._extra: dict[Key, int] = {}
         self._agreed_at: dict[Key, float] = {}
+        self._waiting: dict[Key, str] = {}
+        """What an action that could not be told yet said last, by incident (logged once)."""
         self._background: set[asyncio.Task[Any]] = set()
         self._pass: asyncio.Task[None] | None = None
         self._sweep: asyncio.Task[int] | None = None
@@ -457,7 +459,7 @@ class IncidentEngine:
             if old is not None:
                 meta = old.get("metadata") or {}
                 key = (meta.get("namespace", ""), meta.get("name", ""))
-                for memory in (self._seen, self._extra, self._agreed_at):
+                for memory in (self._seen, self._extra, self._agreed_at, self._waiting):
                     memory.pop(key, None)
                 lock = self._locks.get(key)
                 if lock is not None and not lock.locked():
@@ -602,9 +604,14 @@ class IncidentEngine:
                 return recorded
             outcome = await self.actions.take(recorded, action, rules)
         if outcome.result == UNKNOWN:
-            log.warning("incident %s/%s: %s; verifying before anything else", *key, outcome.message)
+            # asked again every few seconds (a confirmation waiting for another namespace's
+            # pod, a SageMaker call not yet visible): said once, not at every try
+            said = log.warning if self._waiting.get(key) != outcome.message else log.debug
+            said("incident %s/%s: %s; verifying before anything else", *key, outcome.message)
+            self._waiting[key] = outcome.message
             self._later(key, min(5.0, self.settings.resync_seconds))
             return None
+        self._waiting.pop(key, None)
         step_seconds = (
             self.step_seconds(str(incident["spec"]["job"]["uid"]))
             if action.action == "suspend-job" and outcome.result == "Succeeded"

@@ -812,3 +812,44 @@ def test_a_pod_left_running_after_every_reader_recorded_its_result_is_orphaned()
     unlabelled = copy.deepcopy(pod)
     unlabelled["metadata"]["labels"] = {}
     assert confirmation.orphaned(unlabelled, [owner]) is None
+
+
+def test_a_confirmation_waiting_for_another_namespaces_pod_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Asked again every few seconds while another namespace's pod runs on the node: the
+    WARNING is logged when the wait begins (and when what it waits for changes), not at
+    every try."""
+    from sdc_operator.actions import UNKNOWN, Outcome
+    from sdc_operator.engine import IncidentEngine
+    from sdc_operator.metrics import Metrics
+
+    nothing: Any = None
+    fake: Any = type("C", (), {})()
+    engine = IncidentEngine(
+        OperatorSettings(), Metrics(), fake, records=nothing, containment=nothing
+    )
+    action = Action("confirm-node", "node-b")
+    status = quarantined()
+    status["actions"].append({"action": "confirm-node", "target": "node-b", "result": "Pending"})
+    waiting = incident(status, bundle=BUNDLE)
+    said = ["waiting for the confirmation pod team-b/x of incident team-b/y on node node-b"]
+
+    async def verify(*_: Any) -> Outcome:
+        return Outcome(UNKNOWN, said[0])
+
+    engine.actions.verify = verify  # type: ignore[method-assign,assignment]
+
+    async def tries(n: int) -> None:
+        for _ in range(n):
+            assert (
+                await engine._act(("ml", "llama-1200-3f9a0b1c"), waiting, action, Rules()) is None
+            )
+
+    with caplog.at_level("DEBUG", logger="sdc_operator.engine"):
+        asyncio.run(tries(4))
+        said[0] = "waiting for the confirmation pod team-b/z of incident team-b/w on node node-b"
+        asyncio.run(tries(3))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and "team-b/x" in warned[0] and "team-b/z" in warned[1], warned
+    assert len([r for r in caplog.records if "verifying before" in r.getMessage()]) == 7
