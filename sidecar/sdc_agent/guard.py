@@ -123,6 +123,7 @@ class Guard:
                 config=self.config,
                 group=self.group,
                 comm_device=self.comm_device,
+                model_device=self.device,
                 agreed={
                     "optimizer": type(optimizer).__name__,
                     "device_skip": self._gate.device_skip,

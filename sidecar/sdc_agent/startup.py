@@ -58,13 +58,14 @@ def start_up_exchange(
     group: dist.ProcessGroup | None,
     comm_device: torch.device,
     agreed: Mapping[str, Any],
+    model_device: torch.device | None = None,
 ) -> tuple[Topology, str]:
     """One all-gather: identities, the settings that must agree (``config``'s and
     ``agreed``), the run id. A collective; raises when the settings differ."""
     agreed = {**config.agreed(), **agreed}
     extra = {"agreed": agreed, "run_id": uuid.uuid4().hex[:16]}
     topology, extras = exchange_identities(
-        group, local_node_name(config.node_name), comm_device, extra
+        group, local_node_name(config.node_name), comm_device, extra, model_device=model_device
     )
     differing = sorted(
         name

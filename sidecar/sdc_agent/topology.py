@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .gpu_identity import uuid_of_device
+
 __all__ = [
     "RankIdentity",
     "Topology",
@@ -83,9 +85,11 @@ def discover_topology(
     node: str,
     device: torch.device | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    model_device: torch.device | None = None,
 ) -> Topology:
     """All-gather every rank's node and pod name (a collective: every rank must call it)."""
-    return exchange_identities(group, node, device, extra)[0]
+    return exchange_identities(group, node, device, extra, model_device=model_device)[0]
 
 
 def exchange_identities(
@@ -93,19 +97,24 @@ def exchange_identities(
     node: str,
     device: torch.device | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    model_device: torch.device | None = None,
 ) -> tuple[Topology, list[dict[str, Any]]]:
     """:func:`discover_topology`, and every rank's ``extra`` (JSON values), by group rank.
 
     The start-up exchange carries what ranks must agree on (settings, the run id), so
     that comparing it costs no second collective. ``device``: where the collective's
     tensors live (the model's device with NCCL; default: the CPU, or the current CUDA
-    device for an NCCL group).
+    device for an NCCL group). ``model_device``: the GPU whose UUID this rank reports
+    (default ``device``); with gloo the collectives run on the CPU while the model is on
+    a GPU, which is not the current CUDA device where the rank never called
+    ``set_device``.
     """
     mine = {
         "rank": dist.get_rank(),
         "node": node,
         "pod": os.environ.get("POD_NAME") or None,
-        "gpu": _gpu_uuid(device),
+        "gpu": _gpu_uuid(model_device if model_device is not None else device),
         "extra": extra or {},
     }
     gathered: list[dict[str, Any]] = [
@@ -153,16 +162,31 @@ def _text(info: dict[str, object] | None, key: str) -> str | None:
     return str(value) if value else None
 
 
-def _gpu_uuid(device: torch.device | None = None) -> str | None:
-    """The UUID of the CUDA device the model is on (default: the current one)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+def _gpu_uuid(device: torch.device | None) -> str | None:
+    """The UUID of the CUDA device the model is on, or ``None`` (not on CUDA, or not
+    known for certain). From torch where CUDA is initialized; else without initializing
+    it (:mod:`.gpu_identity`: the driver's listing and ``CUDA_VISIBLE_DEVICES``), the
+    device numbered by its index, else by ``LOCAL_RANK`` (torchrun's, which is the device
+    a rank takes by convention). ``None``: the current CUDA device, where CUDA is
+    initialized."""
+    if device is None:
+        if not torch.cuda.is_initialized():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
         return None
-    index = device.index if device is not None and device.type == "cuda" else None
-    try:
-        uuid = torch.cuda.get_device_properties(
-            index if index is not None else torch.cuda.current_device()
-        ).uuid
-    except (RuntimeError, AttributeError):
-        return None
-    text = str(uuid)
-    return text if text.startswith("GPU-") else f"GPU-{text}"
+    if torch.cuda.is_initialized():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            uuid = torch.cuda.get_device_properties(index).uuid
+        except (RuntimeError, AttributeError):
+            return None
+        text = str(uuid)
+        return text if text.startswith("GPU-") else f"GPU-{text}"
+    index = device.index
+    if index is None:
+        local = os.environ.get("LOCAL_RANK", "")
+        if not local.isdigit():
+            return None
+        index = int(local)
+    return uuid_of_device(index)

@@ -30,7 +30,9 @@ from sdc_agent.confirm import (
     judge_stress,
     main,
     run_dcgmi,
+    suspect_slot,
 )
+from sdc_agent.protocol import Suspect
 from sdc_agent.replay import Payload
 
 from .test_bundle import CPU, Net, healthy, make_batch, snapshot, written
@@ -439,6 +441,22 @@ def test_compact_summary_fits_the_termination_log() -> None:
     timed |= {"replay": {"seconds": 1.25}, "stress": {"seconds": 0.5}}
     summary = json.loads(compact_summary({"outcome": "confirmed", "gpus": [timed]}))
     assert summary["gpus"][0]["seconds"] == 1.75  # per GPU, for status.confirmation
+
+
+def test_the_suspects_gpu_is_found_by_uuid_among_the_nodes_gpus() -> None:
+    """The confirmation pod runs on every GPU of the node, numbered as the device plugin
+    and CUDA gave them to it: the suspect's is the one of its UUID, whatever its number;
+    by local rank only where no UUID is known on either side; not found: ``None`` (the
+    run says nothing about the suspect's GPU)."""
+    uuids = [f"GPU-{i}0000000-0000-0000-0000-000000000000" for i in range(4)]
+    slots = [Slot(i, torch.device("cpu"), i, 8 + i, uuids[(i + 2) % 4]) for i in range(4)]
+    suspect = Suspect(rank=9, node="n1", local_rank=1, gpu_uuid=uuids[1])
+    assert suspect_slot(slots, suspect) == 3  # its GPU is this pod's device 3, not 1
+    assert suspect_slot(slots, Suspect(rank=9, node="n1", local_rank=1)) == 1
+    stranger = Suspect(rank=9, node="n1", local_rank=1, gpu_uuid="GPU-f" + uuids[0][5:])
+    assert suspect_slot(slots, stranger) is None
+    unnamed = [Slot(s.index, s.device, s.local_rank, s.rank, None) for s in slots]
+    assert suspect_slot(unnamed, suspect) == 1
 
 
 def test_stress_gemms_agree_on_the_cpu_and_the_judgement_finds_the_odd_one() -> None:
