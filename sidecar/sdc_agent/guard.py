@@ -743,11 +743,9 @@ class Guard:
         """Count a step whose late flags or overlapped check-3 exchange came back clean
         (waiting for them here; no collective: anything else waits for the next step)."""
         late = self._late
-        if late is not None:
-            before, halt = late.flags.read()
-            if not any(before) and not any(late.flags.after() or ()) and not halt:
-                self._late = None
-                self._resolved(late.state.step, "flags", passed=True)
+        if late is not None and late.flags.clean():
+            self._late = None
+            self._resolved(late.state.step, "flags", passed=True)
         self._weight_check.agree_pending()
         settled = self._weight_check.settled()
         if settled is not None:

@@ -3,9 +3,10 @@
 The checks (:mod:`sdc_agent.checks`) never look at the wrapper a job trains with; a layout
 adapter tells them. It owns the hooks on the model, the gradients' arithmetic and
 collectives, the step's device flags (:class:`~sdc_agent.nonfinite.StepFlags`, which ride
-right behind the step's last gradient collective) and the drill's gradient fault sites, and
-it calls its :class:`Coordinator` (the :class:`~sdc_agent.Guard`) when a training forward
-begins and when a bucket of local gradients is ready, before its collective.
+in the step's last gradient bucket, or right behind its last collective) and the drill's
+gradient fault sites, and it calls its :class:`Coordinator` (the :class:`~sdc_agent.Guard`)
+when a training forward begins and when a bucket of local gradients is ready, before its
+collective.
 
 :class:`DDPLayout` is the first adapter: one data-parallel group in which every rank is a
 replica, gradients in DDP's buckets, all-reduced through DDP's communication hook.
@@ -89,7 +90,7 @@ class ParallelLayout(ABC):
     comm_device: torch.device
     """Where the checks' own collectives run (CUDA for NCCL, else the CPU)."""
     flags: StepFlags
-    """The step's device flags, filled during backward, sent behind the last collective."""
+    """The step's device flags, filled during backward, shared with the last collective."""
     flags_wanted: bool
     """Whether the flags travel at all (check 1 on, or the halt flag in use)."""
     faults: FaultSites
@@ -254,16 +255,23 @@ class DDPLayout(ParallelLayout):
         # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
         # size), fused with check 1's look at every element: one pass over the bucket.
         self.flags.scale_and_check(buffer, self.config.nonfinite_check)
+        # The step's flags ride in its last bucket (StepFlags.mark): no collective of their
+        # own. A bucket that cannot carry them (not floating point) sends them behind it.
+        last = bucket.is_last() and self.flags_wanted
+        marked = last and self.flags.mark(buffer, self.group)
         fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
-        if bucket.is_last() and self.flags_wanted:
-            self.flags.send(self.group)  # rides right behind the step's last bucket
+        if last and not marked:
+            self.flags.send(self.group)
 
-        if not self.faults:
+        if not self.faults and not marked:
             return fut.then(lambda f: f.value()[0])
 
         def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = f.value()[0]
-            self.inject("grad_reduced", bucket, reduced)
+            if marked:
+                self.flags.seen(reduced)  # before a drill's fault touches it
+            if self.faults:
+                self.inject("grad_reduced", bucket, reduced)
             return reduced
 
         return fut.then(after)

@@ -47,3 +47,32 @@ def test_classification() -> None:
     assert f is not None and (f.classification, f.suspects) == ("training", ())
     f = classify_nonfinite([False, False], [True, False])
     assert f is not None and (f.classification, f.suspects) == ("collective", (0,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_last_bucket_carries_the_flags_in_its_first_element(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    bucket = (torch.randn(1000) * 1e-38).to(dtype)  # subnormal first elements (float32)
+    flags = StepFlags(3, 1, torch.device("cpu"))
+    unflagged = bucket.clone()
+    assert flags.mark(unflagged, None)
+    assert torch.equal(unflagged.view(INT[dtype]), bucket.view(INT[dtype]))  # bit for bit
+    flags.seen(unflagged)
+    assert flags.skip_tensor().shape == () and flags.skip_tensor().item() == 0.0
+    assert flags.to_host().clean()
+    # A flag raised by any bucket of the step: the first element becomes NaN, nothing else.
+    other = torch.randn(10)
+    other[3] = float("inf")
+    flags.scale_and_check(other, True)
+    flagged = bucket.clone()
+    assert flags.mark(flagged, None)
+    assert flagged[0].isnan() and torch.equal(
+        flagged[1:].view(INT[dtype]), bucket[1:].view(INT[dtype])
+    )
+    flags.seen(flagged)
+    assert flags.skip_tensor().item() == 1.0 and not flags.to_host().clean()
+    # A halting rank marks it too; an integer bucket cannot carry the flags.
+    flags.reset(halt=True)
+    halted = bucket.clone()
+    assert flags.mark(halted, None) and halted[0].isnan()
+    assert not StepFlags(3, 1, torch.device("cpu")).mark(torch.zeros(4, dtype=torch.int64), None)
