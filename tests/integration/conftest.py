@@ -11,6 +11,8 @@ import pytest
 from sdc_harness.cluster import Cluster, OperatorProcess
 from sdc_harness.fake_sagemaker import FakeSageMaker
 
+from .previous_release import Release, extract
+
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -19,6 +21,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield started
     finally:
         started.stop()
+
+
+@pytest.fixture(scope="session")
+def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Release:
+    """The previous release's operator, from the repository's history
+    (tests/integration/previous_release.py); the test is skipped where that is missing."""
+    found = extract(tmp_path_factory.mktemp("previous-release"))
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 check of the release before protocol version 2 (tests/previous_protocol.py): it accepts
 what that release accepted, refuses the rest with that release's messages, and advertises
 no protocol range, as that release did not. Everything else (authentication, incidents,
-containment) is today's, which is what the report reaches once that check passes."""
+containment) is today's, which is what the report reaches once that check passes. The
+roll tests run the previous release's own code instead (tests/integration/previous_release.py),
+which needs the repository's history; this one needs none."""
 
 from __future__ import annotations
 

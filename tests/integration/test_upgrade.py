@@ -1,25 +1,33 @@
 """Agents and operators of different releases against the real API server
 (docs/protocol.md, "Versions"): the previous release's agent is heard by this operator, and
 this release's agent is heard by the previous release's operator (its intake check,
-tests/integration/previous_operator.py), each ending in one contained incident."""
+tests/integration/previous_operator.py), each ending in one contained incident; and the
+chart's two replicas rolled from the previous release's own operator
+(tests/integration/previous_release.py) to this one's with an incident in flight
+(docs/operator.md, "Upgrade and CRD versions")."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import pytest
+from kubernetes import client
 
 from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_common.protocol import PROTOCOL_HEADER, HeartbeatReport, Report, encode_report
-from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
+from sdc_harness.cluster import OPERATOR_NAMESPACE, Cluster, OperatorProcess, post, wait_for
 from sdc_harness.fake_sagemaker import FakeSageMaker
 from tests import previous_protocol as previous
 
+from .previous_release import THIS, Release
 from .test_containment import incident_in, make_job, verdict
 
 
@@ -232,21 +240,85 @@ def versions(op: OperatorProcess) -> dict[str, float]:
     return found
 
 
-def test_a_rolling_upgrade_continues_the_incident_in_flight_once_and_loses_no_report(
+def delivered(reporter: Reporter) -> int:
+    return int(cast(int, reporter.counters()["delivered"]))
+
+
+def settled(cluster: Cluster, namespace: str, op: OperatorProcess, passes: int = 2) -> None:
+    """Wait until ``op``, the leader, has been through ``passes`` more passes of its periodic
+    work, so that what it has not done by then it was not going to do: whole resync passes
+    (:meth:`OperatorProcess.resynced`). The previous release counts none; there the signal
+    is its member Lease written ``passes + 1`` more times, by the loop that runs every
+    ``resync_seconds`` (1 s here) beside the resync's."""
+    if "hyperpod_sdc_resyncs_total" in op.metrics():
+        op.resynced(passes)
+        return
+    identity = f"{socket.gethostname()}-{op.proc.pid}"  # the settings' default identity
+    name = f"leader-{namespace}-member-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+    coordination = client.CoordinationV1Api(cluster.api)
+
+    def written() -> str:
+        return str(coordination.read_namespaced_lease(name, OPERATOR_NAMESPACE).spec.renew_time)
+
+    seen = [written()]
+
+    def renewed() -> bool:
+        if (now := written()) != seen[-1]:
+            seen.append(now)
+        return len(seen) > passes + 1
+
+    wait_for(f"{passes} passes of the previous release's periodic loop", renewed, timeout=30)
+
+
+def leader_among(replicas: list[OperatorProcess]) -> OperatorProcess | None:
+    """The running replica that leads, if one does."""
+    return next((op for op in replicas if op.proc.poll() is None and leads(op)), None)
+
+
+@dataclasses.dataclass
+class Rolled:
+    """What a roll of both replicas from one release to the other ended with."""
+
+    remediated: dict[str, Any]
+    incidents: list[str]
+    counters: list[dict[str, Any]]
+    """Each agent's ``Reporter.counters()``: the first two served first by each old replica,
+    the third by the first new one."""
+    submitted: list[int]
+    """Reports each agent was given (its verdict or first heartbeat, then the stream)."""
+    connections: list[int]
+    first_versions: list[int]
+    """The protocol version each agent wrote once its first report was answered."""
+    old_versions: list[dict[str, float]]
+    """The versions of the reports each old replica accepted (:func:`versions`), read
+    before it was stopped; empty from the previous release, which did not count them."""
+    new_versions: list[dict[str, float]]
+    leaders: list[str]
+    """Who led, in turn (``previous-0`` ... ``this-1``): the Lease's path through the roll."""
+    replaces: int
+    invalid: list[str]
+    refused: int
+
+
+def roll_both_replicas(
     cluster: Cluster,
     namespace: str,
     tmp_path: Path,
     start_operator: Callable[..., OperatorProcess],
-) -> None:
-    """``helm upgrade`` changing the image, as the Deployment rolls it (maxSurge 1,
-    maxUnavailable 0): the previous release's replica leads with a SageMaker replace in
-    flight when a replica of this release is ready beside it; the old one is terminated
-    (SIGTERM), gives the Lease up, and the new one finishes the incident: one suspension,
-    one quarantine, one SageMaker call. Meanwhile this release's agents report through the
-    Service under a steady load of heartbeats, each on its kept connection (the first to the
-    old replica, the second to the new one): every report is answered 2xx, those sent into
-    the switch by the agent's retries on a new connection, in the version each replica
-    speaks."""
+    *,
+    old_release: Release,
+    new_release: Release,
+    first: str,
+) -> Rolled:
+    """The chart's two replicas of ``old_release`` rolled to two of ``new_release`` as the
+    Deployment's RollingUpdate does it (replicas 2, maxSurge 1, maxUnavailable 0:
+    charts/hyperpod-sdc/templates/deployment.yaml): a new replica is ready, an old one is
+    terminated (``first``: the ``leader`` or the ``standby``) while the second new one
+    starts, then the second old one is terminated once that is ready. The old leader has a
+    SageMaker replace held in flight from before the roll until a replica that stays has
+    taken the Lease over. Three agents of this release report through the Service all along,
+    heartbeats every 0.2 s each: the first two connected to the two old replicas, the third
+    to the first new one."""
     job = make_job(cluster, namespace, labels=CLUSTER_LABEL)
     cluster.admit(namespace, remediationPolicy="auto-replace")
     called, answer = threading.Event(), threading.Event()
@@ -254,27 +326,38 @@ def test_a_rolling_upgrade_continues_the_incident_in_flight_once_and_loses_no_re
     def hold(operation: str, params: dict[str, Any]) -> None:
         if operation == REPLACE:
             called.set()
-            answer.wait(60)
+            answer.wait(300)
 
     fake = FakeSageMaker(on_call=hold)
     service = Service()
     reporters: list[Reporter] = []
     feeding = threading.Event()
-    submitted = [0, 0]
+    submitted = [1, 1, 1]
     feeder: threading.Thread | None = None
+    names: dict[int, str] = {}
+    leaders: list[str] = []
+    old_versions: list[dict[str, float]] = []
     try:
         settings: dict[str, Any] = {
-            "extra_env": fake.env(),
             "remediation_policy": "auto-replace",
             "heartbeat_retry_after_seconds": "0.5",
         }
-        old = start_operator(module="tests.integration.previous_operator", **settings)
-        wait_for("the previous release's replica to lead", lambda: leads(old), timeout=30)
-        new = start_operator(**settings)  # the surge replica of the new image, ready
-        assert not leads(new)
-        service.add(old.port)
-        service.add(new.port)
-        for reporter in (0, 2):
+
+        def start(release: Release, replicas: list[OperatorProcess]) -> OperatorProcess:
+            env = {**fake.env(), **release.env}
+            op = start_operator(extra_env=env, **settings)
+            names[id(op)] = f"{release.name}-{len(replicas)}"
+            replicas.append(op)
+            service.add(op.port)
+            return op
+
+        old: list[OperatorProcess] = []
+        new: list[OperatorProcess] = []
+        start(old_release, old)
+        wait_for("the first replica to lead", lambda: leads(old[0]), timeout=30)
+        leaders.append(names[id(old[0])])
+        start(old_release, old)
+        for reporter in (0, 2, 1):
             token_file = tmp_path / f"token-{reporter}"
             token_file.write_text(cluster.token(namespace, job.pods[reporter]))
             config = ReporterConfig(
@@ -285,40 +368,67 @@ def test_a_rolling_upgrade_continues_the_incident_in_flight_once_and_loses_no_re
                 max_backoff_seconds=2,
             )
             reporters.append(Reporter(config))
-        # the first connects (to the old replica) before the second (to the new one)
+        # each new connection goes to the next endpoint: the first agent's to the leader,
+        # the second's to the standby
         for i, reporter in enumerate((0, 2)):
             reporters[i].submit(verdict(job, reporter))
             assert reporters[i].flush(timeout=30)
-        on_old, on_new = reporters
-        assert (on_old.protocol_version, on_new.protocol_version) == (1, 2)
-        assert (on_old.connections_opened, on_new.connections_opened) == (1, 1)
+        assert called.wait(60), "the leader never asked SageMaker to replace the node"
+        (incident,) = cluster.incidents(namespace)
+        actions = [a["action"] for a in incident["status"]["actions"]]
+        assert actions[:2] == ["suspend-job", "quarantine-node"], actions
+        assert leader_among(old) is old[0] and not leads(old[1])
 
-        def feed() -> None:  # each node's heartbeat every 0.2 s until told to stop
+        # helm upgrade (or rollback): the surge replica, ready; the third agent's connection
+        start(new_release, new)
+        reporters[2].submit(beat(job, 1))
+        assert reporters[2].flush(timeout=30)
+        assert new[0].sample("hyperpod_sdc_reports_total") == 1  # it went to the new replica
+        first_versions = [r.protocol_version for r in reporters]
+
+        def feed() -> None:
             step = 20
             while not feeding.wait(0.2):
                 step += 1
-                for i, reporter in enumerate((0, 2)):
+                for i, reporter in enumerate((0, 2, 1)):
                     reporters[i].submit(dataclasses.replace(beat(job, reporter), step=step))
                     submitted[i] += 1
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
-        assert called.wait(60), "the leader never asked SageMaker to replace the node"
-        (incident,) = cluster.incidents(namespace)
-        actions = [a["action"] for a in incident["status"]["actions"]]
-        assert actions[:2] == ["suspend-job", "quarantine-node"], actions
-        assert leads(old) and not leads(new)
-        wait_for("heartbeats at the old replica", lambda: versions(old).get("1", 0) >= 3, 30)
-        assert versions(old).get("2") is None
+        for op in old:  # the stream reaches both old replicas before the roll goes on
 
-        old.proc.terminate()  # the Deployment's old pod, with the replace in flight
-        wait_for("the new replica to lead", lambda: leads(new), timeout=30)
-        answer.set()  # SageMaker answers the old replica within its grace period
-        old.proc.wait(timeout=30)  # terminationGracePeriodSeconds: it exits on its own
-        # the Endpoints still list it until the agent it served has connected again (and
-        # may have been sent there first, and refused)
-        wait_for("the old replica's agent to connect again", lambda: on_old.connections_opened > 1)
-        service.remove(old.port)
+            def heard(op: OperatorProcess = op) -> bool:
+                return op.sample("hyperpod_sdc_reports_total") >= 4
+
+            wait_for("heartbeats at an old replica", heard)
+
+        order = [old[0], old[1]] if first == "leader" else [old[1], old[0]]
+        for step, leaving in enumerate(order):
+            old_versions.append(versions(leaving))
+            was_leader = leads(leaving)
+            leaving.proc.terminate()  # the ReplicaSet's scale-down: SIGTERM
+            if step == 0:  # the Deployment creates the second new pod at once
+                start(new_release, new)
+            if was_leader:
+                staying = [op for op in (*old, *new) if op is not leaving]
+
+                def taken(staying: list[OperatorProcess] = staying) -> OperatorProcess | None:
+                    return leader_among(staying)
+
+                taker = wait_for("another replica to lead", taken, timeout=30)
+                leaders.append(names[id(taker)])
+                answer.set()  # SageMaker answers the old leader within its grace period
+            leaving.proc.wait(timeout=30)  # it exits on its own
+            # the Endpoints list it until every agent has been answered again since it exited
+            # (the one it served, sent there first, is refused and retries)
+            since = [delivered(r) for r in reporters]
+
+            def answered_since(since: list[int] = since) -> bool:
+                return all(delivered(r) > n for r, n in zip(reporters, since, strict=True))
+
+            wait_for("every agent answered since the replica exited", answered_since, timeout=30)
+            service.remove(leaving.port)
         remediated = wait_for(
             "Remediated",
             lambda: next(
@@ -331,15 +441,16 @@ def test_a_rolling_upgrade_continues_the_incident_in_flight_once_and_loses_no_re
             ),
             timeout=60,
         )
-        new.resynced(2)
+        final = wait_for("a new replica to lead", lambda: leader_among(new), timeout=30)
+        if leaders[-1] != names[id(final)]:
+            leaders.append(names[id(final)])
+        settled(cluster, namespace, final)
         feeding.set()
         feeder.join()
         for r in reporters:
             assert r.flush(timeout=60), f"{r.pending()} report(s) not delivered"
         counters = [r.counters() for r in reporters]
-        # the old replica's agent wrote one report in version 1 to the new one, whose answer
-        # said 1, 2: version 2 from then on
-        assert versions(new).get("1") == 1
+        new_versions = [versions(op) for op in new]
     finally:
         feeding.set()
         answer.set()
@@ -347,19 +458,71 @@ def test_a_rolling_upgrade_continues_the_incident_in_flight_once_and_loses_no_re
             r.close(timeout=1)
         service.stop()
         fake.stop()
-    assert fake.invalid == []
-    assert fake.count(REPLACE) == 1
-    results = [(a["action"], a["result"]) for a in remediated["status"]["actions"]]
+    print(f"the Lease went {' -> '.join(leaders)}; Service refused {service.refused} connection(s)")
+    return Rolled(
+        remediated=remediated,
+        incidents=[i["metadata"]["name"] for i in cluster.incidents(namespace)],
+        counters=counters,
+        submitted=list(submitted),
+        connections=[r.connections_opened for r in reporters],
+        first_versions=first_versions,
+        old_versions=old_versions,
+        new_versions=new_versions,
+        leaders=leaders,
+        replaces=fake.count(REPLACE),
+        invalid=list(fake.invalid),
+        refused=service.refused,
+    )
+
+
+def continued_once(rolled: Rolled) -> None:
+    """One incident, one suspension, one quarantine, one SageMaker call (made by the first
+    leader, found made by the one that finished), every report answered 2xx."""
+    assert rolled.invalid == []
+    assert rolled.replaces == 1
+    actions = rolled.remediated["status"]["actions"]
+    results = [(a["action"], a["result"]) for a in actions]
     for action in ("suspend-job", "quarantine-node", "replace-node"):
         assert results.count((action, "Succeeded")) == 1, results
-    (replaced,) = [a for a in remediated["status"]["actions"] if a["action"] == "replace-node"]
-    assert "not calling again" in replaced["message"]  # the new replica found the old one's call
-    assert [i["metadata"]["name"] for i in cluster.incidents(namespace)] == [
-        remediated["metadata"]["name"]
-    ]
-    for i, c in enumerate(counters):
+    (replaced,) = [a for a in actions if a["action"] == "replace-node"]
+    assert "not calling again" in replaced["message"]  # a later leader found the call made
+    assert rolled.incidents == [rolled.remediated["metadata"]["name"]]
+    for c, submitted in zip(rolled.counters, rolled.submitted, strict=True):
         # every report answered 2xx: the verdict and every heartbeat; none dropped or refused
-        assert (c["delivered"], c["dropped"], c["refused"]) == (1 + submitted[i], 0, 0), c
-        assert (c["protocol_version"], c["unreported"]) == (2, {}), c  # the new one's
-    assert on_new.connections_opened == 1  # the new replica's agent never noticed
-    print(f"Service refused {service.refused} connection(s) to the terminated replica")
+        assert (c["delivered"], c["dropped"], c["refused"]) == (submitted, 0, 0), c
+    assert rolled.connections[2] == 1  # the agent on a replica that stays never noticed
+
+
+@pytest.mark.slow  # 4 operator processes: 20 to 55 s each on the loaded 2 cores
+@pytest.mark.parametrize("first", ["leader", "standby"])
+def test_a_rolling_upgrade_of_both_replicas_continues_the_incident_once_and_loses_no_report(
+    cluster: Cluster,
+    namespace: str,
+    tmp_path: Path,
+    start_operator: Callable[..., OperatorProcess],
+    first: str,
+    previous_release: Release,
+) -> None:
+    """``helm upgrade`` changing the image: the previous release's two replicas rolled to
+    two of this release, the leader terminated first or second (the ReplicaSet picks
+    either), with the replace in flight. The incident continues exactly once; every report
+    is answered 2xx, each agent ends writing version 2."""
+    rolled = roll_both_replicas(
+        cluster,
+        namespace,
+        tmp_path,
+        start_operator,
+        old_release=previous_release,
+        new_release=THIS,
+        first=first,
+    )
+    continued_once(rolled)
+    assert rolled.leaders[0] == "previous-0" and rolled.leaders[-1].startswith("this-")
+    # the old replicas refused version 2 (422 naming version): the agents they served
+    # fell back to 1 at once; the third agent, served by this release, wrote 2
+    assert rolled.first_versions == [1, 1, 2]
+    for c in rolled.counters:
+        assert (c["protocol_version"], c["unreported"], c["not_received"]) == (2, {}, []), c
+    # each agent that moved from an old replica sent one report in version 1 to a new one,
+    # whose answer named 1, 2; version 2 from then on
+    assert sum(v.get("1", 0) for v in rolled.new_versions) == 2, rolled.new_versions
