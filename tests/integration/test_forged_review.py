@@ -26,7 +26,7 @@ import pytest
 from kubernetes import client
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
-from sdc_harness.cluster import Cluster, OperatorProcess, post, post_split
+from sdc_harness.cluster import Cluster, OperatorProcess, post, post_split, wait_for
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.webhook import ADMISSION_PATH
 
@@ -153,7 +153,7 @@ def test_a_forged_review_earns_a_tenant_nothing_even_under_a_slow_flood(
     # 2. ... while 160 slow clients from one address hold connections to the webhook
     flood = SlowFlood(s.op.admission_port, 160, "127.0.0.2")
     try:
-        time.sleep(3.0)
+        wait_for("the slow clients connected", lambda: flood.connections >= 160, timeout=30)
         # 3. The tenant writes that marker on a pod of its own: the mutating webhook, still
         # answering the API server, strips it ...
         stripped = create_pod(
