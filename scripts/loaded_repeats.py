@@ -8,7 +8,8 @@ examples under torchrun, which must exit 0), tests/distributed/test_noise.py and
 integration tests marked ``timing`` (deadlines, lease renewals, containment under floods).
 While they run, ``--busy`` processes (default 1: on a 2-core machine, the other core)
 spin in a busy loop; this script starts them before the first run and stops them after
-the last, whatever happens. Exit status 1 if any test failed in any run.
+the last, whatever happens. Exit status 1 if any test failed in any run. With ``--out``, the
+file holds the JSON of the runs done so far after each run (``runs_done``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,26 @@ def main() -> int:
     failures: list[dict[str, object]] = []
     wall: dict[str, float] = {s: 0.0 for s in chosen}
     started = time.monotonic()
+
+    def summary(done: int) -> dict[str, object]:
+        return {
+            "runs": args.runs,
+            "runs_done": done,
+            "busy_loops": args.busy,
+            "cpus": os.cpu_count(),
+            "seconds": round(time.monotonic() - started),
+            "seconds_per_set": {k: round(v) for k, v in wall.items()},
+            "totals": {
+                name: {
+                    kind: sum(c[kind] for c in tests.values())
+                    for kind in ("passed", "failed", "skipped")
+                }
+                for name, tests in results.items()
+            },
+            "tests": results,
+            "failures": failures,
+        }
+
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
     try:
         with tempfile.TemporaryDirectory(prefix="loaded-repeats-") as tmp:
@@ -109,27 +130,13 @@ def main() -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                if args.out:  # what is done so far, readable while it runs
+                    args.out.write_text(json.dumps(summary(run), indent=2) + "\n")
     finally:
         for proc in busy:
             proc.kill()
             proc.wait()
-    summary = {
-        "runs": args.runs,
-        "busy_loops": args.busy,
-        "cpus": os.cpu_count(),
-        "seconds": round(time.monotonic() - started),
-        "seconds_per_set": {k: round(v) for k, v in wall.items()},
-        "totals": {
-            name: {
-                kind: sum(c[kind] for c in tests.values())
-                for kind in ("passed", "failed", "skipped")
-            }
-            for name, tests in results.items()
-        },
-        "tests": results,
-        "failures": failures,
-    }
-    text = json.dumps(summary, indent=2)
+    text = json.dumps(summary(args.runs), indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
