@@ -20,9 +20,9 @@ step, at most one audit interval before the detection, not from the last periodi
 checkpoint; :func:`sdc_agent.snapshot.load_snapshot` reads it at any world size. Once it is
 written the Guard applies nothing more: the script stops training and waits to be stopped
 (``--hold-seconds``; then it exits with status 3, and a restart resumes from the snapshot).
-The extras are read when the snapshot is taken, which on CUDA may be during the next step's
-checks, after the loop stepped the scheduler: so on resume the scheduler is caught up to
-the snapshot's step, and the data position follows from the step (``batch_for``).
+The extras are read as the snapshot's step returns from ``guard.step()`` (on CPU and CUDA
+alike), before the loop's ``scheduler.step()`` for that step: on resume from a snapshot the
+script runs that one ``scheduler.step()``; the data position it registers is the step's.
 
 Evidence: when the replay audit catches a GPU that computes wrong (persistently), one
 healthy rank writes an evidence bundle under ``<checkpoint dir>/sdc-evidence/`` and the
@@ -79,13 +79,6 @@ def batch_for(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor,
 def lr_factor(step: int) -> float:
     """The learning rate's decay: a pure function of the scheduler's step."""
     return 1.0 / (1.0 + step / 100)
-
-
-def catch_up(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
-    """Bring the scheduler to where it is after training step ``step`` (the loop steps it
-    once per step; a snapshot may hold it one step behind)."""
-    while scheduler.last_epoch < step:
-        scheduler.step()
 
 
 def snapshot_copies(flag: int | None) -> int:
@@ -159,6 +152,9 @@ def train(args: argparse.Namespace, cuda: bool) -> None:
         if ckpt.path.name.startswith(SNAPSHOT_PREFIX):  # written at a detection (DCP)
             start, extras = load_snapshot(ckpt.path, net, optimizer)
             scheduler.load_state_dict(extras["scheduler"])
+            # The snapshot holds the loop as guard.step() returned: this loop's own code
+            # after it, the step's scheduler.step(), is run here.
+            scheduler.step()
             what, taken = "the verified snapshot", extras["data"]["batches"]
         else:
             state = torch.load(ckpt.path, map_location=device)
@@ -166,7 +162,6 @@ def train(args: argparse.Namespace, cuda: bool) -> None:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             what, start, taken = "the checkpoint", ckpt.step, ckpt.step
-        catch_up(scheduler, start)
         if rank == 0:
             print(
                 f"resumed from {what} {ckpt.path} (step {start}; data position: "

@@ -37,12 +37,17 @@ class CleanSteps:
         self.on_advance = on_advance
         """Called with the new ``last`` each time a step's results advance it (not on
         :meth:`restore`)."""
+        self.on_pending: Callable[[int], None] | None = None
+        """Called with a step that ended waiting for results which, if clean, make it
+        ``last`` (so ``on_advance`` for it comes later, from :meth:`resolved`)."""
 
     def step_ended(self, step: int, vouched: dict[str, int], waiting: set[str]) -> None:
         """No check blocked ``step``; ``vouched`` is what it adds, once nothing in
         ``waiting`` is still awaited."""
         if waiting:
             self._candidates[step] = _Candidate(vouched, waiting)
+            if self.on_pending is not None and self._would_reach(vouched) == step:
+                self.on_pending(step)
         else:
             self._count(vouched)
 
@@ -65,6 +70,9 @@ class CleanSteps:
         self._candidates.clear()
         self._verified = dict.fromkeys(self._verified, step)
         self.last = step
+
+    def _would_reach(self, vouched: dict[str, int]) -> int:
+        return min(max(at, vouched.get(name, at)) for name, at in self._verified.items())
 
     def _count(self, vouched: dict[str, int]) -> None:
         for name, step in vouched.items():

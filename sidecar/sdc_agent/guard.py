@@ -267,6 +267,7 @@ class Guard:
         if snapshot.copies == 0:
             return None
         self._clean.on_advance = self._clean_advanced
+        self._clean.on_pending = snapshot.sample
         snapshot.take(self._state.step)  # the starting state is trusted, as a restore's
         return snapshot
 
@@ -282,8 +283,10 @@ class Guard:
         """Register what the verified snapshot keeps beside the model and the optimizer:
         ``source`` has ``state_dict()`` (a scheduler) or is a callable returning a dict
         (``lambda: {"step": step, "position": loader_position}``). It must be equal on
-        every rank of the data-parallel group; it is copied whole, by value, at each
-        snapshot. :func:`sdc_agent.snapshot.load_snapshot` returns it by ``name``."""
+        every rank of the data-parallel group; it is copied whole, by value, as the
+        snapshot's step returns (before the loop's code after ``guard.step()``, such as
+        ``scheduler.step()``), on CPU and CUDA alike.
+        :func:`sdc_agent.snapshot.load_snapshot` returns it by ``name``."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name: must be a non-empty string, got {name!r}")
         fn: StateSource = source.state_dict if hasattr(source, "state_dict") else source

@@ -11,7 +11,10 @@ slice ``s`` is held by group rank ``s`` and by the rank at the same local index 
 the next ``copies - 1`` nodes (the replay audit's ring). So every slice lives on
 ``copies`` different nodes and a rank holds about ``copies / world`` of the state.
 Registered extras (step, scheduler, data position) are small and kept whole by every
-rank; they must be equal on every rank of the data-parallel group.
+rank; they must be equal on every rank of the data-parallel group. They, and the
+optimizer's param groups, are read as the snapshot's step returns: where the tensors are
+copied later (on CUDA, during the next step's checks), :meth:`Snapshot.sample` read them
+then.
 
 Sharded layouts (FSDP2, HSDP: ``shard_of`` given). The state is already sharded: a slice is
 a shard coordinate, and a rank keeps its own local shards (``DTensor.to_local()``; tensors
@@ -206,6 +209,8 @@ class Snapshot:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._objects: dict[str, Any] = {}
         self._extras: dict[str, Any] = {}
+        self._sampled: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        """Step -> what :meth:`sample` read when that step returned, for a later take."""
         self._cuda = next((p.is_cuda for p in module.parameters()), False)
         self._stream: Any = torch.cuda.Stream() if self._cuda else None
         self._event: Any = None
@@ -396,15 +401,31 @@ class Snapshot:
                 self._event.record(stream)
         if self._exchange_group is not None:
             self._exchange(tensors)
-        self._objects = self._rest()
-        self._extras = {name: copy.deepcopy(dict(src())) for name, src in self.extras.items()}
+        sampled = self._sampled.pop(step) if step in self._sampled else self._read_objects()
+        self._objects, self._extras = sampled
+        self._sampled = {k: v for k, v in self._sampled.items() if k > step}
         self.step = step
+
+    def _read_objects(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The optimizer's param groups and other small state, and the registered extras,
+        as they are now (copies)."""
+        extras = {name: copy.deepcopy(dict(src())) for name, src in self.extras.items()}
+        return self._rest(), extras
+
+    def sample(self, step: int) -> None:
+        """``step`` is returning and may become the snapshot later, after the loop's own
+        code ran (on CUDA: once its flags or check 3's exchange come back during the next
+        step): read its objects and extras now, so that every snapshot holds them as its
+        step returned, whichever path took it."""
+        if self.copies:
+            self._sampled[step] = self._read_objects()
 
     def restore(self, step: int) -> None:
         """Every rank reloaded ``step``'s state (``Guard.restore``): keep it, hold nothing,
         and start a new generation (a later write's keys differ from an earlier one's)."""
         self.holding = False
         self.generation += 1
+        self._sampled.clear()
         self.take(step)
 
     def _take_shard(self, key: str, t: torch.Tensor) -> None:
