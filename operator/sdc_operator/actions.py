@@ -60,13 +60,16 @@ class Outcome:
     fields: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
     """Why an action was skipped, for the containment summary (``CapReached``)."""
+    also: tuple[tuple[str, str, str, str], ...] = ()
+    """Further conditions the action changes (the resume: ``Snapshot``, reported late)."""
 
     def apply(self, status: dict[str, Any], action: Action) -> dict[str, Any]:
         at = now_iso()
         status = incidents.record_action(status, action, self.result, self.message, at, self.reason)
         status.update(self.fields)
-        if self.condition is not None:
-            incidents.set_condition(status, *self.condition, at)
+        for condition in (self.condition, *self.also):
+            if condition is not None:
+                incidents.set_condition(status, *condition, at)
         return status
 
 
@@ -365,6 +368,13 @@ class Actions:
             + (f" (about {lost['gpuHours']:g} GPU-hours)" if "gpuHours" in lost else "")
         )
         await self.effects.emit(job, "SDCJobResumed", message, False)
+        fields: dict[str, Any] = {"resumeCheckpoint": checkpoint, "lostWork": lost}
+        view = {"snapshot": status.get("snapshot")}
+        late = incidents.late_snapshot(
+            view, int(checkpoint["step"]), str(checkpoint["location"]), resumed=False
+        )
+        if late is not None:
+            fields["snapshot"] = view["snapshot"]
         return Outcome(
             "Succeeded",
             message,
@@ -374,7 +384,8 @@ class Actions:
                 "Restarting",
                 "waiting for the job's agents to report the step they resumed from",
             ),
-            {"resumeCheckpoint": checkpoint, "lostWork": lost},
+            fields,
+            also=() if late is None else (late,),
         )
 
     async def _set_workloads_active(self, job: dict[str, Any], active: bool) -> str | None:

@@ -442,6 +442,13 @@ class IncidentEngine:
             if written is None or not changed:
                 continue
             marked.append(key[1])
+            lost = changed[0].get("lostWork")
+            if isinstance(lost, dict):
+                # Counted once the agents said where they resumed: the work actually lost
+                # (the resume's own estimate is corrected by then, as lostWork is).
+                self.metrics.lost_steps.observe(lost["steps"])
+                if "gpuHours" in lost:
+                    self.metrics.lost_gpu_hours.inc(lost["gpuHours"])
             condition = next(c for c in changed[0]["conditions"] if c["type"] == "Resumed")
             await self.recorded.emit(
                 written,
@@ -626,11 +633,6 @@ class IncidentEngine:
 
         written = await self._write(key, apply, self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
-        lost = outcome.fields.get("lostWork")
-        if written is not None and isinstance(lost, dict):
-            self.metrics.lost_steps.observe(lost["steps"])
-            if "gpuHours" in lost:
-                self.metrics.lost_gpu_hours.inc(lost["gpuHours"])
         found = outcome.fields.get("confirmation") or {}
         if written is not None and found.get("outcome") in confirmation.OUTCOMES:
             self.metrics.confirmations.labels(found["outcome"]).inc()

@@ -844,6 +844,10 @@ def resumed_status(
         )
     if location:
         status["resumedFrom"] = location
+    if step <= last_clean:
+        late = late_snapshot(status, step, location, resumed=True)
+        if late is not None:
+            set_condition(status, *late, at)
     if step > last_clean:
         message = (
             f"the job resumed from step {step}{where}, after the last clean step {last_clean}: "
@@ -1047,6 +1051,9 @@ SNAPSHOT_CONDITION = "Snapshot"
 ``Unknown``/``Waiting``, ``True``/``SnapshotReported``, ``False``/``DeadlinePassed``."""
 SNAPSHOT_REPORTED = "SnapshotReported"
 SNAPSHOT_DEADLINE = "DeadlinePassed"
+SNAPSHOT_LATE = "ReportedLate"
+"""``True``: the snapshot came after the deadline (the stop did not wait for it) and the
+job resumes from it all the same (:func:`late_snapshot`)."""
 
 
 def expected_snapshot(incident: dict[str, Any], rules: Rules) -> int | None:
@@ -1152,6 +1159,37 @@ def snapshot_gate(
         at,
     )
     return status, 0.0
+
+
+def late_snapshot(
+    status: dict[str, Any], step: int, location: str | None, *, resumed: bool
+) -> tuple[str, str, str, str] | None:
+    """Where the stop's wait for the snapshot ended at its deadline and the job resumes from
+    that snapshot after all (its report came later, before the resume picked the newest
+    verified checkpoint, or the agents' ``select_checkpoint`` found it on disk): it is a
+    verified checkpoint of the last clean window, and using it loses less than the periodic
+    one. Records it in ``status.snapshot`` (``checkpoint``, ``reportedLate``; ``result``
+    stays ``DeadlinePassed``: that is what the wait came to) and returns the ``Snapshot``
+    condition that says so; ``None`` (and ``status`` untouched) otherwise. ``resumed``: the
+    agents reported resuming from it (else the operator expects them to)."""
+    recorded = status.get("snapshot")
+    if not isinstance(recorded, dict) or recorded.get("result") != SNAPSHOT_DEADLINE:
+        return None
+    if step < int(recorded.get("step") or 0):
+        return None  # the fall-back: what the condition already says
+    checkpoint: dict[str, Any] = {"step": step}
+    if location:
+        checkpoint["location"] = location
+    status["snapshot"] = {**recorded, "checkpoint": checkpoint, "reportedLate": True}
+    where = f" ({location})" if location else ""
+    return (
+        SNAPSHOT_CONDITION,
+        "True",
+        SNAPSHOT_LATE,
+        f"the verified snapshot of step {step}{where} was reported after the stop's deadline "
+        f"{recorded.get('deadline')} (the job was stopped without waiting longer); the job "
+        + ("resumed from it" if resumed else "resumes from it, not from the periodic checkpoint"),
+    )
 
 
 def lost_work(

@@ -201,14 +201,15 @@ class Metrics:
             "hyperpod_sdc_snapshot_waits",
             "Stops that waited for the job's verified snapshot, by outcome: reported (the "
             "snapshot's checkpoint report came), timed_out (the deadline passed: the resume "
-            "falls back to the newest periodic verified checkpoint).",
+            "falls back to the newest periodic verified checkpoint, or uses the snapshot if "
+            "it is reported by then: condition Snapshot=True, ReportedLate).",
             ["outcome"],
             registry=r,
         )
         self.lost_steps = Histogram(
             "hyperpod_sdc_lost_steps",
             "Training steps an incident threw away: its detection step minus the step the job "
-            "was resumed from.",
+            "was resumed from, counted when the job's agents report that step.",
             buckets=(0, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000),
             registry=r,
         )

@@ -56,13 +56,18 @@ def checkpoint(
 
 
 def resumed(
-    cluster: Cluster, op: OperatorProcess, job: Job, reporter: int, step: int
+    cluster: Cluster,
+    op: OperatorProcess,
+    job: Job,
+    reporter: int,
+    step: int,
+    location: str | None = None,
 ) -> dict[str, Any]:
     report = ResumeReport(
         ReporterIdentity(reporter * 2, job.node_name(reporter), job.pods[reporter]),
         time.time(),
         step,
-        f"/fsx/ckpt/step_{step}.pt",
+        location or f"/fsx/ckpt/step_{step}.pt",
     )
     status, answer, _ = post(
         op.url, encode_report(report), cluster.token(job.namespace, job.pods[reporter])
@@ -312,9 +317,12 @@ def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
 ) -> None:
     """Job ``late``: its snapshot never comes; the operator dies while the stop waits and
     the next one keeps the recorded deadline, stops the job after it and falls back to the
-    periodic checkpoint. Job ``snap``: its node is quarantined at once, the stop waits until
-    the snapshot's checkpoint report comes, the job resumes from it, and the incident
-    records the work lost (GPU-hours from the heartbeats' step time x its 6 ranks)."""
+    periodic checkpoint; its snapshot is reported later all the same and its agents resume
+    from it: the incident says the snapshot is used (Snapshot=True, ReportedLate). Job
+    ``snap``: its node is quarantined at once, the stop waits until the snapshot's checkpoint
+    report comes, the job resumes from it, and the incident records the work lost
+    (GPU-hours from the heartbeats' step time x its 6 ranks), counted in the metrics once
+    the agents report the step they resumed from."""
     late = make_job(cluster, namespace, "late")
     snap = make_job(cluster, namespace, "snap")
     cluster.custom.patch_namespaced_custom_object(
@@ -390,7 +398,33 @@ def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
     # No heartbeat of this job: no step time, so no GPU-hours, only the steps.
     assert status["lostWork"] == {"detectionStep": 15, "resumeStep": 5, "steps": 10}
 
+    # The late job's snapshot is reported after all, past the deadline and the resume, and
+    # its agents resume from it (select_checkpoint finds it, verified, at the last clean
+    # step): the incident says it is used, not that the job fell back.
+    snapshot = "/fsx/ckpt/sdc-snapshot-step_10"
+    checkpoint(cluster, second, late, 10, location=snapshot)
+    for job in (late, snap):
+        resumed(cluster, second, job, 0, 10, location=snapshot)
+
+    def resumed_true(incident: dict[str, Any]) -> bool:
+        return condition(incident, "Resumed")["status"] == "True"
+
+    used = wait_for("late resumed from its snapshot", incident_of(cluster, late, resumed_true))
+    status = used["status"]
+    used_condition = condition(used, "Snapshot")
+    assert (used_condition["status"], used_condition["reason"]) == ("True", "ReportedLate")
+    assert "after the stop's deadline" in used_condition["message"]
+    assert status["snapshot"]["result"] == "DeadlinePassed"  # what the wait came to
+    assert status["snapshot"]["reportedLate"] is True  # the CRD keeps it
+    assert status["snapshot"]["checkpoint"] == {"step": 10, "location": snapshot}
+    assert status["resumedFromStep"] == 10
+    assert status["lostWork"] == {"detectionStep": 15, "resumeStep": 10, "steps": 5}
+    wait_for("snap resumed from its snapshot", incident_of(cluster, snap, resumed_true))
+
     assert second.sample('hyperpod_sdc_snapshot_waits_total{outcome="reported"}') == 1
     assert second.sample('hyperpod_sdc_snapshot_waits_total{outcome="timed_out"}') == 1
+    # Counted once each, when the agents said where they resumed: 5 + 5 steps (the late
+    # job's 10 from the periodic checkpoint were never lost).
     assert second.sample("hyperpod_sdc_lost_steps_count") == 2
+    assert second.sample("hyperpod_sdc_lost_steps_sum") == 10
     assert second.sample("hyperpod_sdc_lost_gpu_hours_total") == pytest.approx(5 * 0.5 * 6 / 3600)

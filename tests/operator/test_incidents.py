@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -514,3 +515,43 @@ def test_the_agents_resume_report_corrects_the_lost_work() -> None:
     assert after is not None
     assert after["lostWork"]["resumeStep"] == 5 and after["lostWork"]["steps"] == 10
     assert after["lostWork"]["gpuHours"] == pytest.approx(10 * 0.5 * 6 / 3600)
+
+
+def test_a_snapshot_reported_after_the_deadline_is_used_and_the_incident_says_so() -> None:
+    found = snapshot_incident()
+    started, _ = incidents.snapshot_gate(found, WAIT, [], T0)
+    assert started is not None
+    found["status"] = started
+    periodic = [{"step": 5, "location": "/ck/5"}]
+    late, _ = incidents.snapshot_gate(found, WAIT, periodic, T0 + incidents.timedelta(seconds=30))
+    assert late is not None
+    # The resume falls back as the condition says: nothing changes.
+    fallback = copy.deepcopy(late)
+    assert incidents.late_snapshot(fallback, 5, "/ck/5", resumed=False) is None
+    assert fallback == late
+    # The snapshot came after all (before the resume, or found on disk by the agents).
+    used = copy.deepcopy(late)
+    condition = incidents.late_snapshot(used, 10, "/ck/snap-10", resumed=False)
+    assert condition is not None
+    assert condition[:3] == ("Snapshot", "True", "ReportedLate")
+    assert "resumes from it" in condition[3] and late["snapshot"]["deadline"] in condition[3]
+    assert used["snapshot"] == {
+        **late["snapshot"],
+        "checkpoint": {"step": 10, "location": "/ck/snap-10"},
+        "reportedLate": True,
+    }
+    assert used["snapshot"]["result"] == "DeadlinePassed"  # what the wait came to
+    # The agents' resume report from it says so too, and corrects the lost work.
+    late.update(
+        phase="Contained",
+        lostWork=incidents.lost_work(15, 5, 0.5, 6),
+    )
+    late["conditions"].append({"type": "Resumed", "status": "Unknown", "reason": "Restarting"})
+    found["status"] = late
+    after = incidents.resumed_status(found, 10, "/ck/snap-10", AT)
+    assert after is not None
+    snapshot = next(c for c in after["conditions"] if c["type"] == "Snapshot")
+    assert (snapshot["status"], snapshot["reason"]) == ("True", "ReportedLate")
+    assert "resumed from it" in snapshot["message"]
+    assert after["snapshot"]["reportedLate"] is True
+    assert after["lostWork"]["resumeStep"] == 10 and after["lostWork"]["steps"] == 5
