@@ -3,7 +3,8 @@
     kubectl sdc describe INCIDENT [-n NAMESPACE] [-o text|json]
     kubectl sdc approve  INCIDENT [-n NAMESPACE] [--action replace|reboot] [--overwrite]
     kubectl sdc release  INCIDENT [-n NAMESPACE] [--overwrite]
-    kubectl sdc uninstall [--release-nodes] [--dry-run] [--stop NAMESPACE/DEPLOYMENT] [-o text|json]
+    kubectl sdc uninstall [--release-nodes] [--dry-run] [--stop NAMESPACE/DEPLOYMENT]
+                          [--stop-timeout SECONDS] [-o text|json]
 
 An executable named ``kubectl-sdc`` on ``PATH`` is a kubectl plugin: ``kubectl sdc ...``
 runs it with the same arguments. It reads the kubeconfig as kubectl does (``--kubeconfig``,
@@ -23,8 +24,10 @@ the decision makes no sense in the incident's phase (nothing quarantined yet or 
 dry-run, already released or replaced, another decision pending). The write carries the
 incident's ``resourceVersion``: a concurrent change is re-read and decided again.
 ``uninstall`` is the clean-up before ``helm uninstall`` (the chart's pre-delete hook runs
-it; :mod:`.uninstall` says what it does and leaves): it stops the operator (``--stop``),
-lists every node quarantined and every job suspended, releases the nodes only with
+it; :mod:`.uninstall` says what it does and leaves): it stops the operator (``--stop``:
+scales its Deployment to zero and waits, up to ``--stop-timeout`` seconds, until none of
+its pods is left; if some are still there then, it does nothing more and fails), lists
+every node quarantined and every job suspended, releases the nodes only with
 ``--release-nodes``, resumes nothing, deletes the operator's ConfigMaps and confirmation
 pods in tenant namespaces, and keeps the incidents and CRDs.
 Exit codes: 0 done, 1 refused or failed, 2 bad usage.
@@ -624,12 +627,23 @@ class _Cluster:
 
 
 def _uninstall(
-    cluster: _Cluster, *, release_nodes: bool, dry_run: bool, output: str, stop: str | None
+    cluster: _Cluster,
+    *,
+    release_nodes: bool,
+    dry_run: bool,
+    output: str,
+    stop: str | None,
+    stop_timeout: float = 120.0,
 ) -> int:
     if stop and not dry_run:
         namespace, _, name = stop.partition("/")
-        if not cluster.stop_deployment(namespace, name, timeout=120):
-            print(f"kubectl sdc: the operator {stop} did not stop within 120 s", file=sys.stderr)
+        if not cluster.stop_deployment(namespace, name, timeout=stop_timeout):
+            print(
+                f"kubectl sdc: the operator {stop} did not stop within {stop_timeout:g} s "
+                "(its pods are still there); nothing was cleaned up: run it again once they "
+                "are gone",
+                file=sys.stderr,
+            )
             return 1
     incidents = cluster.all_incidents()
     jobs: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -791,6 +805,16 @@ def _decide(cluster: _Cluster, namespace: str, name: str, decision: str, overwri
     return 0
 
 
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {raw!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -837,6 +861,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAMESPACE/DEPLOYMENT",
         help="scale the operator's Deployment to zero first and wait for its pods to go",
     )
+    remove.add_argument(
+        "--stop-timeout",
+        type=_positive_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long --stop waits for the operator's pods to go (default 120); "
+        "past it, nothing is cleaned up",
+    )
     remove.add_argument("-o", "--output", choices=("text", "json"), default="text")
     return parser
 
@@ -856,6 +888,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dry_run=args.dry_run,
                 output=args.output,
                 stop=args.stop,
+                stop_timeout=args.stop_timeout,
             )
         except Exception as exc:
             print(f"kubectl sdc: uninstall: {type(exc).__name__}: {exc}", file=sys.stderr)

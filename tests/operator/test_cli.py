@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdc_operator.cli import render_describe, review_refusal, timeline
+import pytest
+
+from sdc_operator.cli import main, render_describe, review_refusal, timeline
 
 T = "2026-01-02T03:04:05Z"
 
@@ -99,3 +101,15 @@ def test_review_rules() -> None:
     assert "no node was quarantined" in (review_refusal(nothing, "release") or "")
     out = render_describe(nothing, [])
     assert "nothing to decide now: no node was quarantined" in out
+
+
+def test_a_bad_stop_timeout_is_refused_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    for raw, problem in (
+        ("0", "expected a number of seconds > 0, got '0'"),
+        ("inf", "expected a number of seconds > 0, got 'inf'"),
+        ("soon", "expected a number of seconds, got 'soon'"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["uninstall", "--stop", "ns/op", "--stop-timeout", raw])
+        assert exit_.value.code == 2  # bad usage, before any kubeconfig is read
+        assert f"argument --stop-timeout: {problem}" in capsys.readouterr().err
