@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,15 +137,14 @@ def one_pod(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
     )
 
 
-def confirmation_forgotten(cluster: Cluster, namespace: str, job: str) -> None:
-    """The incident's confirm-node action set back to Pending and its result removed: what a
-    crash between creating the pod and recording the result leaves."""
+def rewrite_status(
+    cluster: Cluster, namespace: str, job: str, change: Callable[[dict[str, Any]], None]
+) -> None:
+    """The job's incident's status as ``change`` makes it, written back (what a crash of
+    the operator at some point leaves)."""
     incident = incident_of(cluster, namespace, job)
     assert incident is not None
-    status = incident["status"]
-    entry = next(a for a in status["actions"] if a["action"] == "confirm-node")
-    entry["result"] = "Pending"
-    status.pop("confirmation")
+    change(incident["status"])
     cluster.custom.replace_namespaced_custom_object_status(
         "hyperpod-sdc.dev",
         "v1alpha1",
@@ -153,6 +153,18 @@ def confirmation_forgotten(cluster: Cluster, namespace: str, job: str) -> None:
         incident["metadata"]["name"],
         incident,
     )
+
+
+def confirmation_forgotten(cluster: Cluster, namespace: str, job: str) -> None:
+    """The incident's confirm-node action set back to Pending and its result removed: what a
+    crash between creating the pod and recording the result leaves."""
+
+    def forget(status: dict[str, Any]) -> None:
+        entry = next(a for a in status["actions"] if a["action"] == "confirm-node")
+        entry["result"] = "Pending"
+        status.pop("confirmation")
+
+    rewrite_status(cluster, namespace, job, forget)
 
 
 def events(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
@@ -300,26 +312,19 @@ def test_two_incidents_of_one_node_share_one_confirmation_pod(
 def result_recorded_before_the_delete(cluster: Cluster, namespace: str, job: str) -> None:
     """What an operator that gave the pod up and died before deleting it leaves: the
     result (``Unknown/NotStarted``) recorded, the pod still there."""
-    incident = incident_of(cluster, namespace, job)
-    assert incident is not None
-    status = incident["status"]
     why = "not started 300 s after it was created (phase Pending)"
-    status["confirmation"] = {
-        **status["confirmation"],
-        "outcome": "unknown",
-        "reason": why,
-        "finishedAt": kubelet._now(),
-    }
-    (confirmed_,) = [c for c in status["conditions"] if c["type"] == "Confirmed"]
-    confirmed_.update(status="Unknown", reason="NotStarted", message=why)
-    cluster.custom.replace_namespaced_custom_object_status(
-        "hyperpod-sdc.dev",
-        "v1alpha1",
-        namespace,
-        "sdcincidents",
-        incident["metadata"]["name"],
-        incident,
-    )
+
+    def give_up(status: dict[str, Any]) -> None:
+        status["confirmation"] = {
+            **status["confirmation"],
+            "outcome": "unknown",
+            "reason": why,
+            "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (said,) = [c for c in status["conditions"] if c["type"] == "Confirmed"]
+        said.update(status="Unknown", reason="NotStarted", message=why)
+
+    rewrite_status(cluster, namespace, job, give_up)
 
 
 def test_a_pod_left_by_a_crash_after_its_result_was_recorded_is_deleted_once_on_restart(
