@@ -17,7 +17,8 @@ each time ``last_clean_step`` advances, once per audit interval at the defaults,
 copies its slices of the state to host memory); ``snapshot_extra`` is its step time against
 ``defaults``' in the same run (the goal: under 0.5 % on CPU), and ``snapshot_memory`` the host
 memory each rank keeps for it (``Snapshot.bytes_per_rank`` after the first step, Adam's
-moments included) against one replica's state. DDP only (FSDP2 snapshots are not built yet).
+moments included) against one replica's state (DDP; with ``--layout fsdp`` or ``hsdp`` only
+the step times: ``bench/snapshot.py --layout fsdp`` gives the memory there).
 
 ``audit_memory``: the replay audit's extra peak memory against the model's gradient bytes:
 resident memory sampled every 0.2 ms during an audited step and during the step before it
@@ -550,8 +551,8 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    if args.layout != "ddp" or args.device == "cuda":
-        names = [n for n in names if n != "defaults_snapshots"]  # DDP over gloo only, so far
+    if args.device == "cuda":
+        names = [n for n in names if n != "defaults_snapshots"]  # gloo only, so far
     kinds = [k for k in args.models.split(",") if k]
     if not kinds or any(k not in ("mlp", "gpt2") for k in kinds):
         parser.error("--models: mlp, gpt2 or mlp,gpt2")

@@ -16,7 +16,13 @@ sends it from its thread; none runs here). Also: the whole detecting step agains
 audited step before it, one snapshot copy (``take``) of the clean state, the host memory
 each rank keeps (``bytes_per_rank``) against one replica's state, and the bytes on disk.
 
-    .venv/bin/python bench/snapshot.py [--sizes 2048,9000] [--ranks 4]
+``--layout fsdp``: the same MLP under pure FSDP2 (``fully_shard`` on each Linear, then the
+root, over one mesh dimension of all ranks), where each rank's shards also cross the network
+to the next node at every take (so ``take_seconds`` includes that exchange); the fault is a
+persistent relative error in the first layer's forward on rank 1 (a ``grad_local`` fault
+does not fire during FSDP's replay: it would be judged transient).
+
+    .venv/bin/python bench/snapshot.py [--sizes 2048,9000] [--ranks 4] [--layout ddp|fsdp]
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.overhead import IN, make_model  # noqa: E402
+from bench.overhead import IN, _fully_shard, _mesh, make_model  # noqa: E402
 from sdc_agent.launch import spawn_local  # noqa: E402
 
 CLEAN, FAULT, CAUGHT = 2, 3, 4
 
 
-def worker(rank: int, world: int, hidden: int, batch: int, root: str) -> dict[str, Any]:
+def worker(
+    rank: int, world: int, hidden: int, batch: int, root: str, layout: str
+) -> dict[str, Any]:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
@@ -50,8 +58,22 @@ def worker(rank: int, world: int, hidden: int, batch: int, root: str) -> dict[st
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = make_model(hidden)
+    if layout == "fsdp":
+        model = net = _fully_shard(net, _mesh("fsdp", torch.device("cpu")))
+        fault = FaultSpec(
+            rank=1,
+            step=FAULT,
+            site="forward",
+            kind="relative",
+            persistent=True,
+            target="0",
+            index=None,
+        )
+    else:
+        fault = FaultSpec(rank=1, step=FAULT, site="grad_local", kind="relative", persistent=True)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
-    model = DistributedDataParallel(net)
+    if layout == "ddp":
+        model = DistributedDataParallel(net)
 
     def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return nn.functional.mse_loss(m(b[0]), b[1])
@@ -63,9 +85,7 @@ def worker(rank: int, world: int, hidden: int, batch: int, root: str) -> dict[st
         snapshot_copies=2,
         snapshot_dir=root,
         snapshot_write_seconds=60.0,
-        faults=(
-            FaultSpec(rank=1, step=FAULT, site="grad_local", kind="relative", persistent=True),
-        ),
+        faults=(fault,),
     )
     guard = Guard(model, optimizer, loss_fn, config=config, reporter=None)
     guard.snapshot_state("data", lambda: {"step": guard.step_count})
@@ -118,13 +138,13 @@ def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def measure(hidden: int, ranks: int, batch: int, base: Path) -> dict[str, Any]:
+def measure(hidden: int, ranks: int, batch: int, base: Path, layout: str) -> dict[str, Any]:
     root = base / f"hidden-{hidden}"
     root.mkdir(parents=True)
     nodes = [f"bench-node-{i}" for i in range(ranks)]
     env = {"OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
-    results = spawn_local(worker, nodes, (hidden, batch, str(root)), env=env, timeout=1200)
+    results = spawn_local(worker, nodes, (hidden, batch, str(root), layout), env=env, timeout=1200)
     wall = time.perf_counter() - started
     first = results[0]
     writes = {r["rank"]: r["write"] for r in results if r["write"]}
@@ -164,12 +184,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="gloo ranks, one per node (>= 3)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--layout", choices=("ddp", "fsdp"), default="ddp", help="DDP, or pure FSDP2 over all ranks"
+    )
     args = parser.parse_args()
     if args.ranks < 3:
         parser.error("--ranks: at least 3 (the audit names a suspect only with three nodes)")
     base = Path(tempfile.mkdtemp(prefix="sdc-snapshot-bench-", dir=args.dir))
     try:
-        sizes = [measure(int(h), args.ranks, args.batch, base) for h in args.sizes.split(",") if h]
+        sizes = [
+            measure(int(h), args.ranks, args.batch, base, args.layout)
+            for h in args.sizes.split(",")
+            if h
+        ]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {
@@ -177,6 +204,7 @@ def main() -> None:
         "torch": torch.__version__,
         "device": "cpu",
         "backend": "gloo",
+        "layout": args.layout,
         "ranks": args.ranks,
         "nodes": args.ranks,
         "threads_per_rank": 1,
