@@ -182,15 +182,17 @@ class FSDPLayout(ParallelLayout):
         self.rank = dist.get_rank()
         self.group_rank = self.rank
         self.world_size = dist.get_world_size()
-        self.fsdp_modules = [m for m in model.modules() if is_fsdp(m)]
+        fsdp_named = [(n, m) for n, m in model.named_modules() if is_fsdp(m)]
+        self.fsdp_modules: list[nn.Module] = [m for _, m in fsdp_named]
         self._groups: list[tuple[nn.Module, Any]] = []
-        for m in self.fsdp_modules:
+        for fqn, m in fsdp_named:
             groups = _groups_of(m)
             if len(groups) > 1:
+                where = f"module {fqn!r}" if fqn else "the root module"
                 raise ConfigError(
-                    f"model: module {type(m).__name__} has {len(groups)} FSDP parameter "
-                    "groups (shard_placement_fn with per-parameter meshes); sdc_agent "
-                    "guards one group per fully_shard call"
+                    f"model: {where} has {len(groups)} FSDP parameter groups "
+                    "(shard_placement_fn with per-parameter meshes); sdc_agent guards one "
+                    "group per fully_shard call"
                 )
             self._groups.extend((m, g) for g in groups)
         if not self._groups:
@@ -263,12 +265,20 @@ class FSDPLayout(ParallelLayout):
             )
         size = self.mesh.size()
         if size != dist.get_world_size():
+            # The mesh FSDP's was sliced from names the dimensions the other ranks are on
+            # (torchtitan's ("pp", "dp_replicate", "dp_shard", "tp")).
+            root = getattr(self.mesh, "_get_root_mesh", lambda: self.mesh)()
+            other = [n for n in (root.mesh_dim_names or ()) if n not in ours]
+            which = (
+                f"mesh dimension {', '.join(map(repr, other))}"
+                if other
+                else "another parallelism dimension"
+            )
             raise ConfigError(
                 f"model: the FSDP mesh {tuple(self.mesh.mesh_dim_names or ())} spans {size} "
-                f"of {dist.get_world_size()} ranks; the other ranks belong to another "
-                "parallelism dimension (pipeline stages or a tensor-parallel group), which "
-                "sdc_agent cannot guard: ranks that are not replicas of each other would be "
-                "compared"
+                f"of {dist.get_world_size()} ranks; the other ranks belong to {which} "
+                "(pipeline stages or a tensor-parallel group), which sdc_agent cannot guard: "
+                "ranks that are not replicas of each other would be compared"
             )
 
     # -- what the Guard asks -----------------------------------------------------------

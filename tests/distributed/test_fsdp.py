@@ -3,11 +3,13 @@ replicate 3 x shard 2), on real gloo process groups: 6 ranks on 3 emulated nodes
 
 Each layout runs every scenario in one spawn (a module-scoped world per layout). Ranks are
 consecutive on their node (``n0, n0, n1, n1, n2, n2``), so in HSDP each replica group is
-one node and the replicas of a shard are on three different nodes.
+one node and the replicas of a shard are on three different nodes. The 200-step clean runs
+(slow) join that spawn only in a session that runs their test.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -23,6 +25,11 @@ pytestmark = pytest.mark.distributed
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
 AUDIT = {"weights_every": 1, "replay_every": 1, "fingerprint_backend": "eager"}
+# The long clean runs: check 3 (HSDP) or the update check (FSDP) every step, an audit every
+# 5 steps (40 audits, 240 replay comparisons).
+LONG_STEPS = 200
+LONG_REPLAY_EVERY = 5
+LONG = {"weights_every": 1, "replay_every": LONG_REPLAY_EVERY, "fingerprint_backend": "eager"}
 # A small relative error in a whole hidden layer's output (4.0001 instead of 4.0000).
 FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
 
@@ -31,7 +38,7 @@ def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
     return FaultSpec(rank=rank, step=step, site=site, kind=kind, **kw)  # type: ignore[arg-type]
 
 
-def scenarios(layout: str) -> dict[str, Drill]:
+def scenarios(layout: str, long_runs: bool) -> dict[str, Drill]:
     def drill(**kw: Any) -> Drill:
         return Drill(layout=layout, **kw)
 
@@ -87,6 +94,11 @@ def scenarios(layout: str) -> dict[str, Drill]:
             config={**EVERY_STEP, "weights_every": 4},
         ),
     }
+    if long_runs:
+        out |= {
+            "long_clean": drill(steps=LONG_STEPS, config=LONG),
+            "long_plain": drill(steps=LONG_STEPS, guarded=False),
+        }
     return out
 
 
@@ -126,10 +138,19 @@ EXPECTED: dict[str, dict[str, Expected]] = {
 }
 
 
+def _runs_long(request: pytest.FixtureRequest) -> bool:
+    """Whether this session runs the slow 200-step test (a tier without slow tests, or a
+    selection of other tests, leaves it out, and the spawn trains 400 steps less)."""
+    return any(
+        item.path == request.path and item.get_closest_marker("slow") is not None
+        for item in request.session.items
+    )
+
+
 @pytest.fixture(scope="module", params=["hsdp", "fsdp"])
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     layout = request.param
-    return layout, drills.run_scenarios(NODES, scenarios(layout))
+    return layout, drills.run_scenarios(NODES, scenarios(layout, _runs_long(request)))
 
 
 def agreed(ranks: list[DrillRank]) -> DrillRank:
@@ -166,6 +187,33 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     # HSDP: the three replicas of each shard end alike; FSDP: every rank its own shard.
     shards = {r.final_fingerprint for r in results["clean"]}
     assert len(shards) == (2 if layout == "hsdp" else len(NODES))
+
+
+@pytest.mark.slow
+def test_200_clean_steps_name_nobody_and_train_bitwise_like_plain_fsdp(
+    world: tuple[str, dict[str, list[DrillRank]]],
+) -> None:
+    layout, results = world
+    assert "long_clean" in results, "the world was built without the long runs"
+    r = agreed(results["long_clean"])
+    assert r.verdicts == []
+    assert r.applied == [True] * LONG_STEPS
+    # The audit vouches for its own steps: last_clean_step reaches each audited step and
+    # holds there until the next audit.
+    every = LONG_REPLAY_EVERY
+    audited = [s for s, c in enumerate(r.last_clean_step, 1) if c == s]
+    assert len(audited) == LONG_STEPS // every
+    assert all(b - a == every for a, b in itertools.pairwise(audited))
+    assert r.last_clean_step == [
+        max((a for a in audited if a <= s), default=0) for s in range(1, LONG_STEPS + 1)
+    ]
+    assert r.replay_mismatches == 0
+    assert r.replay_comparisons == len(NODES) * len(audited)
+    for guarded, plain in zip(results["long_clean"], results["long_plain"], strict=True):
+        assert guarded.final_fingerprint == plain.final_fingerprint, (layout, guarded.rank)
+        assert guarded.losses == plain.losses, (layout, guarded.rank)
+    # Training moved the weights: the comparison is not of two untouched models.
+    assert results["long_clean"][0].final_fingerprint != results["clean"][0].final_fingerprint
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED["hsdp"]))
@@ -239,6 +287,11 @@ def _refusals(rank: int, world: int) -> list[str]:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from sdc_agent import Guard, GuardConfig
@@ -253,11 +306,31 @@ def _refusals(rank: int, world: int) -> list[str]:
     fully_shard(tp_model, mesh=mesh["dp"])
     narrow = nn.Sequential(nn.Linear(4, 2))
     fully_shard(narrow, mesh=mesh["dp"])  # one of the two ranks
+    # Pipeline stages: each rank its own stage, FSDP over a dimension of one rank.
+    pp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    stage = nn.Sequential(nn.Linear(4, 2))
+    fully_shard(stage, mesh=pp_mesh["dp"])
     # Two meshes over the same ranks, one per fully_shard call.
     two_meshes = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(two_meshes[0], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("a",)))
     fully_shard(two_meshes, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("b",)))
-    for model in (tp_model, narrow, two_meshes):
+    # Per-parameter meshes (experts sharded over their own, smaller mesh): one fully_shard,
+    # two parameter groups.
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    ep_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "edp"))
+    experts = FSDPMeshInfo(ep_mesh["edp"], 0)
+    grouped = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    expert_params = set(grouped[1].parameters())
+    fully_shard(
+        grouped,
+        mesh=dp,
+        shard_placement_fn=lambda p: (
+            ShardPlacementResult(placement=Shard(0), mesh_info=experts)
+            if p in expert_params
+            else None
+        ),
+    )
+    for model in (tp_model, narrow, stage, two_meshes, grouped):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         try:
             Guard(model, optimizer, None, config, reporter=None)
@@ -269,10 +342,18 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_layouts_it_cannot_guard_are_refused_naming_the_dimension() -> None:
-    tp, narrow, two_meshes = spawn_local(_refusals, ["n0", "n1"])[0]
+    tp, narrow, stage, two_meshes, grouped = spawn_local(_refusals, ["n0", "n1"])[0]
     assert tp.startswith("model: parameter '0.weight' is also sharded over mesh dimension 'tp'")
     assert "tensor- or pipeline-parallel" in tp
-    assert narrow.startswith("model: the FSDP mesh ('dp',) spans 1 of 2 ranks")
+    assert narrow.startswith(
+        "model: the FSDP mesh ('dp',) spans 1 of 2 ranks; the other ranks belong to mesh "
+        "dimension 'tp'"
+    ), narrow
+    assert stage.startswith(
+        "model: the FSDP mesh ('dp',) spans 1 of 2 ranks; the other ranks belong to mesh "
+        "dimension 'pp'"
+    ), stage
     assert two_meshes.startswith(
         "model: fully_shard was given different meshes for different modules"
     ), two_meshes
+    assert grouped.startswith("model: the root module has 2 FSDP parameter groups"), grouped
