@@ -27,7 +27,7 @@ from .test_recovery import (
 from .test_upgrade import continued_once, roll_both_replicas
 
 
-@pytest.mark.slow  # 4 operator processes: 20 to 45 s on the loaded 2 cores
+@pytest.mark.slow  # 4 operator processes: 21 to 45 s on the loaded 2 cores
 def test_a_rollback_to_the_previous_release_continues_the_incident_once_and_loses_no_report(
     cluster: Cluster,
     namespace: str,
@@ -61,7 +61,7 @@ def test_a_rollback_to_the_previous_release_continues_the_incident_once_and_lose
         assert (c["protocol_version"], c["refused"]) == (1, 0), c
 
 
-@pytest.mark.slow  # two operators one after the other: 18 to 23 s on the loaded 2 cores
+@pytest.mark.slow  # two operators one after the other: 14 to 23 s on the loaded 2 cores
 def test_the_previous_release_stops_at_once_a_job_this_release_was_waiting_to_stop(
     cluster: Cluster,
     namespace: str,

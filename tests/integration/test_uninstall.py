@@ -203,7 +203,7 @@ def hook_installed(cluster: Cluster, tmp_path: Path, values: dict[str, Any]) -> 
     return Hook(namespace, release, kubeconfig, tuple(pods))
 
 
-@pytest.mark.slow  # the chart installed, an operator, three CLI runs: 40 to 50 s loaded
+@pytest.mark.slow  # the chart installed, an operator, three CLI runs: 15 to 50 s loaded
 def test_the_hook_stops_the_operator_and_cleans_up_only_once_its_pods_are_gone(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess], tmp_path: Path
 ) -> None:

@@ -493,7 +493,7 @@ def continued_once(rolled: Rolled) -> None:
     assert rolled.connections[2] == 1  # the agent on a replica that stays never noticed
 
 
-@pytest.mark.slow  # 4 operator processes: 20 to 55 s each on the loaded 2 cores
+@pytest.mark.slow  # 4 operator processes: 16 to 55 s each on the loaded 2 cores
 @pytest.mark.parametrize("first", ["leader", "standby"])
 def test_a_rolling_upgrade_of_both_replicas_continues_the_incident_once_and_loses_no_report(
     cluster: Cluster,
