@@ -661,11 +661,14 @@ class ReplayAudit:
                             "replays differ without a pattern one GPU explains",
                         )
                     )
-        accusing = {
-            k: f
-            for k, f in findings.items()
-            if f.classification != "nondeterministic" and f.suspects
-        }
+        # Kinds whose differences the recheck could not separate accuse nobody, teach
+        # nothing, and leave the step unvouched.
+        unseparated = sorted(k for k, f in findings.items() if f.classification == "unseparated")
+        for k in unseparated:
+            notes.append(f"{noise.kinds[k].name}: {findings[k].message}")
+        if unseparated:
+            evidence["unseparated_kinds"] = [noise.kinds[k].name for k in unseparated]
+        accusing = {k: f for k, f in findings.items() if f.classification == "rank" and f.suspects}
         if accusing:
             finding = _strongest(accusing, noise)
             evidence["evidence_kinds"] = sorted(
@@ -684,7 +687,10 @@ class ReplayAudit:
         noise.count(comparisons.values())
         quiet = [f for f in findings.values() if f.classification == "nondeterministic"]
         return AuditOutcome(
-            quiet[0] if quiet else None, evidence, not self.blind, self._note(notes)
+            quiet[0] if quiet else None,
+            evidence,
+            not self.blind and not unseparated,
+            self._note(notes),
         )
 
     def _note(self, notes: list[str]) -> str | None:
@@ -946,6 +952,12 @@ class ReplayAudit:
         n = len(self.kind_names)
         involved = {r for p in mismatched for r in (p, ring[p])}
         third = choose_thirds(owners, ring, self.nodes, involved)
+        # Owners left without a third although the ring has a third node for their pair.
+        crowded = {
+            q
+            for q in owners
+            if q not in third and set(self.nodes) - {self.nodes[q], self.nodes[ring[q]]}
+        }
         sends: dict[int, list[Any]] = {}
         sources: set[int] = set()
         for q in owners:
@@ -1008,6 +1020,7 @@ class ReplayAudit:
                         third_agrees_replay=None if t is None else table[t][k][kind][3] == 1.0,
                         rerun_reproduces=table[q][k][kind][0] == 1.0,
                         rereplay_reproduces=table[ring[q]][k][kind][1] == 1.0,
+                        crowded=q in crowded,
                     )
                 )
         return out

@@ -189,7 +189,10 @@ def choose_thirds(
 @dataclass(frozen=True, slots=True)
 class ReplayFinding:
     classification: str
-    """``rank`` (hardware) or ``nondeterministic`` (accuses nobody)."""
+    """``rank`` (hardware), ``nondeterministic`` (accuses nobody: noise) or
+    ``unseparated`` (accuses nobody: differences that the recheck had no free third node
+    to tell apart, see :attr:`Recheck.crowded`; the audit neither learns them as noise nor
+    vouches for the step)."""
     suspects: tuple[int, ...]
     localized: bool
     transient: bool | None
@@ -217,6 +220,11 @@ class Recheck:
     """``q``'s rerun agrees with ``q``'s original."""
     rereplay_reproduces: bool
     """``R``'s second replay agrees with its first."""
+    crowded: bool = False
+    """No third node was free, though the ring has one: every rank on a node other than
+    ``q``'s and ``R``'s was itself rechecked or replayed rechecked work (see
+    :func:`choose_thirds`). The differences reach every node, so nothing separates ``q``
+    and ``R`` from ranks that may be healthy (:func:`resolve` names nobody)."""
 
 
 def judge(recheck: Recheck) -> tuple[str, int | None, bool | None]:
@@ -260,6 +268,23 @@ def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFind
             None,
             "a third node's replay agreed with neither side (or with both): the "
             "computation is not reproducible; no hardware is accused",
+        )
+    crowded = sorted((r.owner, r.replayer) for r in rechecks if r.crowded)
+    if crowded:
+        # A rank is never named on evidence that does not separate it from healthy ranks:
+        # with a third node in the ring but none free, some differing pairs are between
+        # ranks that one faulty GPU does not explain (noise beyond the tolerance, or
+        # more faults than the ring can tell apart), and these pairs look no different.
+        listed = ", ".join(f"{a} and {b}" for a, b in crowded)
+        return ReplayFinding(
+            "unseparated",
+            (),
+            False,
+            None,
+            f"replays differ between ranks {listed}, and between ranks on every node: no "
+            "rank on a third node was left outside the differences to tell which side is "
+            "wrong, so nothing separates these ranks from healthy ones; no hardware is "
+            "accused",
         )
     suspects: dict[int, bool | None] = {}
     unresolved: set[int] = set(explanation.ambiguous)

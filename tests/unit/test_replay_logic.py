@@ -130,6 +130,31 @@ def test_no_third_node_means_no_localization() -> None:
     assert resolve(e, [no_third]).localized is False
 
 
+def test_pairs_no_free_third_node_can_tell_apart_accuse_nobody() -> None:
+    # Three nodes (0 1 | 2 3 | 4 5): rank 2 faulty (pairs 0-2, 2-4) and noise above the
+    # tolerance between healthy ranks (1-3, 4-0, 5-1). Every rank on a third node is in a
+    # rechecked pair, so none is left to tell the sides apart: naming the pairs' ranks
+    # would name healthy ones (four of the five, as the GPT-2 under forward noise did).
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    ring = plan_ring(nodes)
+    e = explain_mismatches([0, 1, 4], ring, max_mismatches=storm_threshold(6))
+    assert (e.persistent, e.unexplained, e.storm) == ((0,), (1,), False)
+    owners = [0, 1, 2, 5]
+    assert choose_thirds(owners, ring, nodes, {0, 1, 2, 3, 4, 5}) == {}
+    crowded = [
+        _recheck(owner=q, replayer=ring[q], third=None, third_agrees_original=None, crowded=True)
+        for q in (0, 1)
+    ]
+    f = resolve(e, crowded)
+    assert (f.classification, f.suspects, f.localized) == ("unseparated", (), False)
+    assert "0 and 2" in f.message and "no hardware is accused" in f.message
+    # Beside a pair a third node localized, too: the kind separates nobody at this audit.
+    localized = _recheck(owner=2, replayer=4, third=1)
+    assert resolve(e, [localized, *crowded[1:]]).suspects == ()
+    # Without a third node in the ring at all (two nodes), the pair is still named.
+    assert resolve(e, [_recheck(owner=0, replayer=2, third=None)]).suspects == (0, 2)
+
+
 def test_thirds_avoid_both_nodes_and_prefer_uninvolved_ranks() -> None:
     nodes = ["n0", "n1", "n2", "n3", "n4"]
     ring = plan_ring(nodes)
