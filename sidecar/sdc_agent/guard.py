@@ -11,42 +11,38 @@ check units (:mod:`sdc_agent.checks`: check 1 :mod:`~sdc_agent.check_nonfinite`,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .audit import ReplayAudit, ReplayStats
-from .bundling import EvidenceKeeper
-from .check_nonfinite import LateMicroBatch, NonFiniteCheck
+from .audit import ReplayStats
+from .check_nonfinite import LateMicroBatch
 from .check_replay import ReplayCheck
-from .check_update import UpdateCheck
+from .check_set import build_checks
 from .check_weights import WeightCheck
 from .checkpoint import mark_checkpoint
-from .checks import CheckUnit, StepState
+from .checks import StepState
 from .clean_steps import CleanSteps
 from .config import GuardConfig
-from .errors import ConfigError, OperatorUnreachableError, SDCError
-from .fingerprint import Fingerprinter
+from .errors import ConfigError, SDCError
 from .gate import StepGate
 from .layout import DDPLayout, GradientBucket, ParallelLayout
 from .layout_fsdp import FSDPLayout, is_fsdp
 from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
-from .reporting import CHECKS, GuardReporting
-from .snapshot import Snapshot, SnapshotWrite, StateSource
+from .reporting import GuardReporting
+from .snapshot import Snapshot, SnapshotWrite
+from .snapshotting import SnapshotKeeper
 from .startup import start_up_exchange, validate_arguments
-from .verdict import StepResult, Verdict
-from .weights import WeightFingerprints
+from .verdict import StepResult
 
 __all__ = ["Guard"]
 
@@ -130,10 +126,28 @@ class Guard:
                     "scaler": scaler is not None,
                 },
             )
-            self._build_checks(loss_fn)
+            checks = build_checks(
+                layout=layout,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                config=self.config,
+                topology=self.topology,
+                run_id=self.run_id,
+                scaled=scaler is not None,
+                loss_scale=self._loss_scale,
+            )
         except BaseException:
             self._gate.remove()  # a Guard that failed to start leaves nothing behind
             raise
+        self._seconds = checks.seconds
+        self._fingerprinter = checks.fingerprinter
+        self._injector = layout.injector
+        self._audit = checks.audit
+        self._evidence = checks.evidence
+        self._nonfinite = checks.nonfinite
+        self._weight_check = checks.weights
+        self._update_check = checks.update
+        self._units = checks.units
         layout.attach(self)
         self._reporting = GuardReporting(
             reporter,
@@ -164,120 +178,23 @@ class Guard:
         self._late: _LateFlags | None = None
         self._weight_check.overlap = self.device.type == "cuda"
         self._clean = CleanSteps((u.name for u in self._units if u.vouches), start_step)
-        self._snapshot = self._make_snapshot()
+        self._snapshots = SnapshotKeeper(
+            config=self.config,
+            layout=layout,
+            optimizer=optimizer,
+            topology=self.topology,
+            run_id=self.run_id,
+            clean=self._clean,
+            start=start_step,
+            held=self._held_step,
+        )
         self.snapshot_write: SnapshotWrite | None = None
         """What the snapshot's write at detection did (``None``: none happened)."""
 
-    # -- construction ----------------------------------------------------------------------
-
-    def _build_checks(self, loss_fn: LossFn | None) -> None:
-        layout = self._layout
-        self._seconds = dict.fromkeys(CHECKS, 0.0)  # since the last heartbeat
-        self._fingerprinter = Fingerprinter(self.config.fingerprint_backend)
-        weights = WeightFingerprints(
-            layout.module,
-            self.optimizer,
-            self._fingerprinter,
-            self.config.weights_include_optimizer_state,
-            layout.replica_classes,
-        )
-        self._warm_up(layout.module)
-        self._injector = layout.injector
-        self._audit = ReplayAudit(
-            module=layout.module,
-            loss_fn=loss_fn,
-            topology=self.topology,
-            group=self.group,
-            comm_device=self.comm_device,
-            fingerprinter=self._fingerprinter,
-            injector=self._injector,
-            every=self.config.replay_every,
-            probability=self.config.replay_probability,
-            calibrate=self.config.replay_mode == "calibrate",
-            params=layout.unsharded,
-            grads_by_hook=layout.grads_by_hook,
-            replaying=layout.replaying,
-        )
-        self._evidence = EvidenceKeeper(
-            self.config.bundles, self.group, self.comm_device, self.group_rank
-        )
-        self._nonfinite = NonFiniteCheck(
-            enabled=self.config.nonfinite_check,
-            topology=self.topology,
-            audit=self._audit,
-            scaled=self.scaler is not None,
-            collective=layout.collective,
-        )
-        self._replay = ReplayCheck(
-            self._audit,
-            enabled=self.config.replay_enabled,
-            topology=self.topology,
-            module=layout.module,
-            group_rank=self.group_rank,
-            evidence=self._evidence,
-            run_id=self.run_id,
-            loss_scale=self._loss_scale,
-            seconds=self._seconds,
-        )
-        self._weight_check = WeightCheck(
-            weights,
-            every=self.config.weights_every,
-            topology=self.topology,
-            group=self.group,
-            comm_device=self.comm_device,
-            world_size=self.world_size,
-            seconds=self._seconds,
-        )
-        self._units: tuple[CheckUnit, ...] = (self._nonfinite, self._replay, self._weight_check)
-        self._update_check: UpdateCheck | None = None
-        classes = layout.replica_classes
-        if classes is not None and len(set(classes)) == len(classes):
-            # Pure FSDP: no shard has a replica, check 3 has nothing to compare; the update
-            # check recomputes a slice of every shard's update on two other nodes instead.
-            self._weight_check.without_replicas()
-            self._update_check = UpdateCheck(
-                module=layout.module,
-                optimizer=self.optimizer,
-                fingerprinter=self._fingerprinter,
-                every=self.config.weights_every,
-                slices=self.config.update_slices,
-                topology=self.topology,
-                comm_device=self.comm_device,
-                seconds=self._seconds,
-            )
-            self._units += (self._update_check,)
-
-    def _make_snapshot(self) -> Snapshot | None:
-        if self.config.snapshot_copies == 0:
-            return None
-        snapshot = Snapshot(
-            module=self._layout.module,
-            optimizer=self.optimizer,
-            topology=self.topology,
-            group_rank=self.group_rank,
-            group=self.group,
-            comm_device=self.comm_device,
-            copies=self.config.snapshot_copies,
-            memory_fraction=self.config.snapshot_memory_fraction,
-            write_seconds=self.config.snapshot_write_seconds,
-            directory=self.config.snapshot_dir,
-            run_id=self.run_id,
-            shard_of=self._layout.shard_of,
-        )
-        if snapshot.copies == 0:
-            return None
-        self._clean.on_advance = self._clean_advanced
-        self._clean.on_pending = snapshot.sample
-        snapshot.take(self._state.step)  # the starting state is trusted, as a restore's
-        return snapshot
-
-    def _clean_advanced(self, step: int) -> None:
+    def _held_step(self) -> int:
         # The model holds the state after the previous step during a step's checks, after
-        # the current one once it was decided; an older clean step's state is gone (the
-        # snapshot keeps the older one it has, verified too).
-        held = self._state.step - 1 if self._phase == STEP else self._state.step
-        if self._snapshot is not None and held == step:
-            self._snapshot.take(step)
+        # the current one once it was decided.
+        return self._state.step - 1 if self._phase == STEP else self._state.step
 
     def snapshot_state(self, name: str, source: Any) -> None:
         """Register what the verified snapshot keeps beside the model and the optimizer:
@@ -287,60 +204,15 @@ class Guard:
         snapshot's step returns (before the loop's code after ``guard.step()``, such as
         ``scheduler.step()``), on CPU and CUDA alike.
         :func:`sdc_agent.snapshot.load_snapshot` returns it by ``name``."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"name: must be a non-empty string, got {name!r}")
-        fn: StateSource = source.state_dict if hasattr(source, "state_dict") else source
-        if not callable(fn):
-            raise ConfigError(
-                f"source: {name!r} needs state_dict() or to be a callable returning a dict"
-            )
-        snapshot = self._snapshot
-        if snapshot is not None:
-            snapshot.extras[name] = fn
-            if snapshot.step == self.step_count and self._phase == IDLE:
-                snapshot.take(snapshot.step)  # the state held now, with the extra
+        self._snapshots.register(
+            name, source, idle_step=self.step_count if self._phase == IDLE else None
+        )
 
     @property
     def snapshot(self) -> Snapshot | None:
         """The verified snapshot in host memory (``None``: ``snapshot_copies`` is 0 or
         host memory too short): :attr:`Snapshot.step`, :meth:`Snapshot.bytes_per_rank`."""
-        return self._snapshot
-
-    def _snapshot_to_write(self) -> int | None:
-        """The step of the snapshot :meth:`_write_snapshot` would write now (``None``:
-        none), told to the operator with the verdict so that its stop waits for it."""
-        snapshot = self._snapshot
-        if snapshot is None or snapshot.holding or snapshot.step is None:
-            return None
-        return snapshot.step
-
-    def _write_snapshot(self, verdicts: Sequence[Verdict]) -> None:
-        snapshot = self._snapshot
-        if snapshot is None or snapshot.holding:
-            return
-        hardware = [v for v in verdicts if v.accuses_hardware and v.transient is not True]
-        if not hardware:
-            return
-        suspects = {r for v in hardware for r in v.suspect_ranks}
-        group_suspects = [i for i, r in enumerate(self.topology.ranks) if r.rank in suspects]
-        self.snapshot_write = snapshot.write_at_detection(
-            group_suspects, reporter=self.reporter, identity=self._reporting.identity
-        )
-        # The job is about to stop: no further step is applied, on any rank, written or not.
-        snapshot.holding = True
-
-    def _warm_up(self, module: nn.Module) -> None:
-        if self.config.weights_every <= 0 and not self.config.replay_enabled:
-            return
-        params = list(module.parameters())
-        if not params:
-            return
-        # Compile the fingerprint kernels now, not in the middle of training, and under
-        # no_grad: the hooks and the weight check fingerprint without grad mode, and
-        # torch.compile guards on it (a kernel warmed up with grad mode on recompiles).
-        dtypes = {p.dtype for p in params} | {torch.float32}
-        with torch.no_grad():
-            self._fingerprinter.warm_up(dtypes, self.device)
+        return self._snapshots.snapshot
 
     # -- what the Guard knows ------------------------------------------------------------
 
@@ -518,9 +390,7 @@ class Guard:
             settled = unit.settled()  # an exchange of the previous step, overlapped
             if settled is not None:
                 self._resolved(settled[0], unit.name, passed=settled[1])
-        if self._snapshot is not None:
-            state.hold = state.hold or self._snapshot.holding
-            self._snapshot.before_update()
+        self._snapshots.before_update(state)
         self._gate.arm(skip=skip, hold=state.hold)
         if state.hold and self.scaler is not None:
             self._let_the_scaler_keep_its_books()
@@ -540,11 +410,7 @@ class Guard:
         before, halt = host.read()
         if halt:
             self._phase = IDLE
-            raise OperatorUnreachableError(
-                f"a verdict could not be delivered to the operator within "
-                f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
-                "training here, before another step is applied"
-            )
+            raise self._reporting.unreachable()
         self._nonfinite.judge(self._state, before, after=host.after())
 
     def _flags_on_their_way(self) -> None:
@@ -571,11 +437,7 @@ class Guard:
         before, halt = late.flags.read()
         if halt and collective:
             self._phase = IDLE
-            raise OperatorUnreachableError(
-                f"a verdict could not be delivered to the operator within "
-                f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
-                "training here, before another step is applied"
-            )
+            raise self._reporting.unreachable()
         known = len(late.state.verdicts)
         micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
         self._nonfinite.judge(late.state, before, micro_batch, late.flags.after())
@@ -587,22 +449,9 @@ class Guard:
             late.state.verdicts[known:] = []
             self._state.late_verdicts.extend(found)  # logged and reported with this step's
             return
-        found = [self._located(v) for v in found]
-        self._log_verdicts(late.state.step, found)
+        found = [self._layout.locate(v) for v in found]
+        self._reporting.log_verdicts(late.state.step, found)
         self._reporting.report_verdicts(found)
-
-    def _located(self, verdict: Verdict) -> Verdict:
-        """The suspects' mesh coordinates in the evidence (sharded layouts): rank -> mesh
-        coordinates -> pod -> node, the operator reading the rest as before."""
-        layout = self._layout
-        if layout.mesh_coordinates(self.rank) is None or "mesh_coordinates" in verdict.evidence:
-            return verdict
-        evidence = dict(verdict.evidence)
-        evidence["layout"] = layout.name
-        evidence["mesh_coordinates"] = {
-            str(r): layout.mesh_coordinates(r) for r in verdict.suspect_ranks
-        }
-        return dataclasses.replace(verdict, evidence=evidence)
 
     def _resolved(self, step: int, what: str, *, passed: bool) -> None:
         self._clean.resolved(step, what, passed=passed)
@@ -641,8 +490,8 @@ class Guard:
         self._layout.faults.weights(applied)
         for unit in self._units:
             unit.after_step(state)
-        state.verdicts[:] = [self._located(v) for v in state.verdicts]
-        state.late_verdicts[:] = [self._located(v) for v in state.late_verdicts]
+        state.verdicts[:] = [self._layout.locate(v) for v in state.verdicts]
+        state.late_verdicts[:] = [self._layout.locate(v) for v in state.late_verdicts]
         verdicts = list(state.verdicts)
         blocking = [v for v in verdicts if v.classification != "nondeterministic"]
         if not blocking and not any(u.blocks_clean for u in self._units):
@@ -656,9 +505,9 @@ class Guard:
                 waiting.add("flags")
             self._clean.step_ended(step, vouched, waiting)
         for v in state.late_verdicts:
-            self._log_verdicts(v.step, [v])
+            self._reporting.log_verdicts(v.step, [v])
         self._reporting.report_verdicts(state.late_verdicts)
-        self._log_verdicts(step, verdicts)
+        self._reporting.log_verdicts(step, verdicts)
         self._reporting.step_done(
             step,
             verdicts,
@@ -667,22 +516,16 @@ class Guard:
             gradient_tolerance=self.gradient_tolerance,
             bit_reproducible=self.bit_reproducible,
             noise=self._audit.noise,
-            snapshot_step=self._snapshot_to_write(),
+            snapshot_step=self._snapshots.to_write(),
         )
-        self._write_snapshot(blocking)  # after the verdicts went to the reporter
+        written = self._snapshots.write(  # after the verdicts went to the reporter
+            blocking, reporter=self.reporter, identity=self._reporting.identity
+        )
+        if written is not None:
+            self.snapshot_write = written
         self._phase = IDLE
         shown = (*state.late_verdicts, *verdicts)
         return StepResult(step=step, loss=loss, applied=applied, verdicts=shown)
-
-    def _log_verdicts(self, step: int, verdicts: Sequence[Verdict]) -> None:
-        for v in verdicts:
-            log.log(
-                logging.WARNING if self.group_rank == 0 else logging.DEBUG,
-                "sdc_agent verdict at step %d (%s check): %s",
-                step,
-                v.check,
-                v.message,
-            )
 
     # The phases under their first names.
 
@@ -715,8 +558,7 @@ class Guard:
         for unit in self._units:
             unit.restored(step)
         self._clean.restore(step)
-        if self._snapshot is not None:
-            self._snapshot.restore(step)
+        self._snapshots.restored(step)
         # The next Guard.step settles the layout first (DDPLayout.settle: DDP's buckets),
         # so a resumed run reproduces an uninterrupted one exactly.
         self._settle_buckets = True
@@ -738,8 +580,7 @@ class Guard:
             path, step, verified=verified, reporter=self.reporter, identity=self._reporting.identity
         )
         self._evidence.note_checkpoint(path)  # evidence bundles go next to checkpoints
-        if self._snapshot is not None and self.config.snapshot_dir is None:
-            self._snapshot.directory = str(Path(path).resolve().parent)
+        self._snapshots.checkpoint_marked(path)
         return verified
 
     def _settle_locally(self) -> None:
@@ -766,8 +607,8 @@ class Guard:
             if settled is not None:
                 self._resolved(settled[0], "weights", passed=settled[1])
             if found:
-                found = [self._located(v) for v in found]
-                self._log_verdicts(found[0].step, found)
+                found = [self._layout.locate(v) for v in found]
+                self._reporting.log_verdicts(found[0].step, found)
                 self._reporting.report_verdicts(found)
         self._layout.detach()
         self._gate.remove()

@@ -21,6 +21,7 @@ and for the replay audit the bracket that makes its parameters whole
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from .fault_sites import FaultSites
 from .faults import FaultInjector
 from .nonfinite import StepFlags
 from .replay import RngState
+from .verdict import Verdict
 
 __all__ = ["Coordinator", "DDPLayout", "GradientBucket", "ParallelLayout"]
 
@@ -137,6 +139,18 @@ class ParallelLayout(ABC):
     def mesh_coordinates(self, rank: int) -> dict[str, int] | None:
         """``rank``'s coordinates in the data-parallel mesh (``None``: no mesh)."""
         return None
+
+    def locate(self, verdict: Verdict) -> Verdict:
+        """The suspects' mesh coordinates in the evidence (sharded layouts): rank -> mesh
+        coordinates -> pod -> node, the operator reading the rest as before."""
+        if self.mesh_coordinates(self.rank) is None or "mesh_coordinates" in verdict.evidence:
+            return verdict
+        evidence = dict(verdict.evidence)
+        evidence["layout"] = self.name
+        evidence["mesh_coordinates"] = {
+            str(r): self.mesh_coordinates(r) for r in verdict.suspect_ranks
+        }
+        return dataclasses.replace(verdict, evidence=evidence)
 
     def settle(self, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> None:
         """Before the first step after a restore: whatever makes that step bitwise the

@@ -10,8 +10,9 @@ the time the checks took since the last one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from .config import GuardConfig
 from .election import elect_reporters
-from .errors import ConfigError, ProtocolError
+from .errors import ConfigError, OperatorUnreachableError, ProtocolError
 from .judging import NoiseModel
 from .protocol import (
     MAX_MESSAGE,
@@ -38,6 +39,8 @@ from .topology import Topology
 from .verdict import Verdict
 
 __all__ = ["CHECKS", "GuardReporting"]
+
+log = logging.getLogger("sdc_agent")
 
 CHECKS = ("nonfinite", "replay", "weights")
 """The checks whose time a heartbeat carries (``check_seconds``)."""
@@ -63,6 +66,7 @@ class GuardReporting:
         self.config = config
         self.topology = topology
         self.run_id = run_id
+        self._group_rank = group_rank
         self._replayer_of = replayer_of
         me = topology.ranks[group_rank]
         self._me = me.node
@@ -91,6 +95,25 @@ class GuardReporting:
         )
         """Seconds each check took since the last heartbeat (the checks add to it)."""
         self._heartbeat_at = time.monotonic()
+
+    def log_verdicts(self, step: int, verdicts: Sequence[Verdict]) -> None:
+        """Each verdict in the agent log (a WARNING on group rank 0)."""
+        for v in verdicts:
+            log.log(
+                logging.WARNING if self._group_rank == 0 else logging.DEBUG,
+                "sdc_agent verdict at step %d (%s check): %s",
+                step,
+                v.check,
+                v.message,
+            )
+
+    def unreachable(self) -> OperatorUnreachableError:
+        """What ``unreachable_policy='stop'`` raises once the ranks learn of a halt."""
+        return OperatorUnreachableError(
+            f"a verdict could not be delivered to the operator within "
+            f"{self.config.report_deadline_seconds:g} s; unreachable_policy='stop' stops "
+            "training here, before another step is applied"
+        )
 
     def verdict_overdue(self) -> bool:
         """A verdict has waited longer than ``report_deadline_seconds`` for delivery."""
