@@ -16,7 +16,10 @@ Where the checks see what (torch 2.13's ``torch.distributed.fsdp.fully_shard``):
   too (one pass over 1/shard of the gradients). A non-finite value there while every
   input was finite names the collective and the rank that received the shard: it cannot
   tell the sender's link from the receiver's memory. The step's flags travel in one small
-  all-reduce behind the last group's hook, as for DDP.
+  all-reduce behind the last group's hook: unlike DDP's (which ride in its last bucket,
+  :mod:`sdc_agent.nonfinite`), each rank receives only its own shard, so a NaN put in one
+  element would reach one rank, and whether another rank's shard went non-finite after
+  the collective is known only to that rank.
 - **Replicas.** In HSDP the ranks with the same shard coordinate hold replicas of the
   same shard: check 3 compares each shard across them (:attr:`replica_classes`). In pure
   FSDP no shard has a replica: check 3 has nothing to compare (see the update check).
