@@ -23,7 +23,7 @@ export PYTHONHASHSEED=0
 echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-if ! $fast; then
+if ! $fast && [[ $# -gt 0 ]]; then
     echo "== mypy"
     .venv/bin/mypy
 fi
@@ -49,14 +49,27 @@ two_passes() {
     shift
     .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "${selected}not timing" "$@" \
         || status=$?
-    echo "== pytest: the timing tests, one at a time"
+    # mypy runs beside the timing tests (about a minute of one core): they wait more than
+    # they compute, and keep their margins with the other core busy (what
+    # scripts/loaded_repeats.py checks).
+    local types
+    types="$(mktemp)"
+    .venv/bin/mypy >"$types" 2>&1 &
+    local mypy_pid=$!
+    echo "== pytest: the timing tests, one at a time (mypy beside them)"
     .venv/bin/python -m pytest -m "${selected}timing" "$@" || status=$?
+    echo "== mypy"
+    wait "$mypy_pid" || status=$?
+    cat "$types"
+    rm -f "$types"
     return "$status"
 }
 if $fast; then
-    # Markers: pyproject.toml; tests/conftest.py marks every test with its folder. One
-    # process: its eight integration tests share one API server.
-    .venv/bin/python -m pytest -m "(unit or operator or chart or fast) and not slow" "$@"
+    # Markers: pyproject.toml; tests/conftest.py marks every test with its folder, and
+    # with an xdist group: a file's tests in one process, and the eight integration tests
+    # all in one, sharing one API server.
+    .venv/bin/python -m pytest -n "${HYPERPOD_SDC_TEST_WORKERS:-2}" --dist loadgroup \
+        -m "(unit or operator or chart or fast) and not slow" "$@"
 elif [[ $# -gt 0 ]]; then
     # A selection of the caller's: one pass, as given (add -n N to spread it).
     .venv/bin/python -m pytest "$@"
