@@ -384,6 +384,9 @@ def _inductor() -> Fingerprinter:
     return fp
 
 
+# Inductor's C++ compile of the two kernels: 35 s on 2 cores, paid by the first of these two
+# tests (the second reuses the process's kernels), so both are in the full suite only.
+@pytest.mark.slow
 @needs_cc
 def test_inductor_kernel_equals_eager_for_odd_lengths_and_offsets() -> None:
     fp = _inductor()
@@ -395,6 +398,7 @@ def test_inductor_kernel_equals_eager_for_odd_lengths_and_offsets() -> None:
     assert fp.kernels == {"cpu/int16": "torch.compile", "cpu/int32": "torch.compile"}
 
 
+@pytest.mark.slow
 @needs_cc
 def test_inductor_kernel_compiles_once_per_dtype() -> None:
     # The review found recompiles inside backward at the first audit (grad mode off there)
