@@ -116,8 +116,10 @@ class NoiseModel:
 
     @property
     def blind(self) -> bool:
-        """No kind can separate a faulty rank any more."""
-        return not self.working
+        """No kind can separate a faulty rank any more. Read at every step (whether the
+        audit vouches): stops at the first working kind, the loss as a rule, rather than
+        listing every layer's."""
+        return all(k.blind is not None for k in self.kinds)
 
     @property
     def largest(self) -> float:
