@@ -596,8 +596,9 @@ class _Cluster:
                 raise
 
     def stop_deployment(self, namespace: str, name: str, timeout: float) -> bool:
-        """Scale the operator's Deployment to zero and wait until none of its pods is left:
-        nothing may quarantine a node after the clean-up has listed them."""
+        """Scale the operator's Deployment to zero and wait until none of its pods is left
+        (the ReplicaSets' pods, not this hook's own, which carries the same labels): nothing
+        may quarantine a node after the clean-up has listed them."""
         import time
 
         from kubernetes import client
@@ -616,7 +617,9 @@ class _Cluster:
             _content_type="application/merge-patch+json",
         )
         labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        # Only the pods its ReplicaSets made (they carry pod-template-hash): the hook's own
+        # pod has the chart's labels too, selector labels included, and must not be waited on.
+        selector = ",".join([*(f"{k}={v}" for k, v in sorted(labels.items())), "pod-template-hash"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pods = self._raw(self.core.list_namespaced_pod, namespace, label_selector=selector)

@@ -172,20 +172,37 @@ class Hook:
 
 def hook_installed(cluster: Cluster, tmp_path: Path, values: dict[str, Any]) -> Hook:
     """The chart installed with ``values`` (test_install.install), its uninstall hook's
-    ServiceAccount and roles created as rendered, and the operator's two pods as its
-    ReplicaSet would have made them: no controller runs here, so nothing creates or deletes
-    them but the test."""
+    ServiceAccount and roles created as rendered, the hook's own pod as the Job controller
+    would make it, and the operator's two pods as its ReplicaSet would have made them: no
+    controller runs here, so nothing creates or deletes them but the test."""
     namespace, release = install(cluster, values, tmp_path)
-    docs = [
+    hooks = [
         d
         for d in render({**values, "fullnameOverride": release}, namespace=namespace, hooks=True)
-        if hook(d) == "pre-delete" and d["kind"] != "Job"
+        if hook(d) == "pre-delete"
     ]
     manifest = tmp_path / f"{release}-hook.yaml"
-    manifest.write_text(yaml.safe_dump_all(docs))
+    manifest.write_text(yaml.safe_dump_all([d for d in hooks if d["kind"] != "Job"]))
     cluster.kubectl("create", "-f", str(manifest))
+    # The hook's own pod, as the Job controller would make it: the chart's labels, the
+    # Deployment's selector labels among them. --stop must not wait for it to go.
+    (job,) = [d for d in hooks if d["kind"] == "Job"]
+    template = job["spec"]["template"]
+    hook_pod = {
+        "metadata": {
+            "name": f"{release}-uninstall-x",
+            "labels": {**template["metadata"]["labels"], "job-name": job["metadata"]["name"]},
+        },
+        "spec": {
+            "serviceAccountName": template["spec"]["serviceAccountName"],
+            "automountServiceAccountToken": False,
+            "restartPolicy": "Never",
+            "containers": [{"name": "uninstall", "image": "example.com/operator:1"}],
+        },
+    }
+    cluster.core.create_namespaced_pod(namespace, hook_pod)
     deployment = client.AppsV1Api(cluster.api).read_namespaced_deployment(release, namespace)
-    labels = dict(deployment.spec.selector.match_labels)
+    labels = {**deployment.spec.selector.match_labels, "pod-template-hash": "5d8f7c9b6"}
     pods = []
     for i in range(2):
         body = {
