@@ -64,6 +64,7 @@ __all__ = [
     "ADMISSION_PATH",
     "CREATOR_PATH",
     "MAX_REVIEW_BYTES",
+    "MAX_REVIEW_DEPTH",
     "POLICY_PLURAL",
     "AdmissionLookups",
     "PodWebhook",
@@ -86,6 +87,11 @@ MAX_IN_FLIGHT_PER_SOURCE = 64
 """Reviews one client address may have in flight at once: a source trickling bodies (or
 flooding) holds at most a quarter of :data:`MAX_IN_FLIGHT`, and the API server's own
 reviews, from its own addresses, still find room."""
+MAX_REVIEW_DEPTH = 64
+"""How deeply a review's JSON may nest. A pod's deepest field (a node affinity's values, a
+managed field's ``fieldsV1`` beside it) is about 20 levels below the review; what nests
+deeper was not written by an API server, and copying it (``copy.deepcopy``, about two
+frames a level) could exhaust Python's stack where ``json.loads`` did not."""
 READ_SECONDS = 3.0
 """The API server sends a review in one go; a body still arriving after this is refused
 (408), so slow clients cannot hold connections and buffers open."""
@@ -329,6 +335,20 @@ def _timeout_seconds(query: Mapping[str, str]) -> float:
     return value / 1000 if unit == "ms" else value * 60 if unit == "m" else value
 
 
+def _deeper_than(value: Any, most: int) -> bool:
+    """Whether JSON ``value`` nests more than ``most`` levels (without recursion)."""
+    level: list[tuple[Any, int]] = [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        if depth > most:
+            return True
+        if isinstance(item, dict):
+            level.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            level.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return False
+
+
 _REQUEST_SHAPE: dict[str, type | tuple[type, ...]] = {
     "kind": dict,
     "resource": dict,
@@ -524,6 +544,10 @@ class PodWebhook:
             raise _BadReview(400, "malformed", "nested too deeply to be a pod") from None
         if not isinstance(review, dict):
             raise _BadReview(400, "malformed", "an AdmissionReview must be a JSON object")
+        if _deeper_than(review, MAX_REVIEW_DEPTH):
+            raise _BadReview(
+                400, "malformed", f"nested more than {MAX_REVIEW_DEPTH} deep: not a pod's review"
+            )
         if (review.get("apiVersion"), review.get("kind")) != (REVIEW_API, "AdmissionReview"):
             raise _BadReview(
                 400,

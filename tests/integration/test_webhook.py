@@ -28,6 +28,7 @@ from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here, wai
 from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.injection import INJECTION_ANNOTATION
+from sdc_operator.webhook import MAX_REVIEW_DEPTH
 from tests.chart.test_chart import render
 
 TEST_LABEL = "hyperpod-sdc-test"
@@ -591,6 +592,19 @@ def test_bad_input_gets_a_clean_answer_never_a_500(
     )
     got, answer = post_raw(s.op, nested)
     assert (got, answer["error"]) == (400, "malformed"), answer
+    # A pod's review nested 100 to 990 deep passes json.loads, but copying it for the patch
+    # (copy.deepcopy) exhausted Python's stack from about 500: answered 200 with an ERROR
+    # traceback. Now refused before it is read further; at the limit it is answered.
+    for depth, status in ((MAX_REVIEW_DEPTH, 200), (100, 400), (800, 400), (990, 400)):
+        body = json.loads(json.dumps(pod))
+        # the review, request, object and spec are four levels; "x" adds the rest
+        body["request"]["object"]["spec"] = {"x": "NESTED"}
+        lists = depth - 4
+        raw = json.dumps(body).replace('"NESTED"', "[" * lists + "]" * lists).encode()
+        got, answer = post_raw(s.op, raw)
+        assert got == status, (depth, answer)
+        if status == 400:
+            assert answer["error"] == "malformed" and "nested" in answer["message"], depth
     log = s.op.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
