@@ -19,6 +19,7 @@ import kopf
 from aiohttp import web
 
 from . import jobwatch, retention  # noqa: F401  (jobwatch registers the job watches)
+from .apiserver import ApiServerAddresses
 from .attestation import AttestationKey, load_key
 from .auth import Authenticator, StaticTokens, TokenReviewer
 from .caches import Caches
@@ -46,6 +47,22 @@ MEMBERS_EVERY_SECONDS = 5.0
 OTHER_LISTENER_CONNECTIONS = 512
 """Connections the admission and metrics listeners hold open at once, each (the API
 server and the probes open few; a flood of either cannot grow memory without bound)."""
+ADMISSION_CONNECTIONS_PER_SOURCE = 128
+"""Connections one address may hold on the admission listener. An API server holds one
+per review in flight (the webhook answers at most 64 at once from one address, more get
+503 and the connection is closed) and keeps at most 25 idle per webhook configuration
+(client-go's transport; the chart registers two): 64 + 2 x 25 = 114 at most. So one
+address cannot hold the listener's 512, and an API server's address is never refused by
+this limit; its published addresses are not counted by it at all."""
+ADMISSION_RESERVED = 128
+"""Of the admission listener's 512 connections, those only the API server's published
+addresses (:mod:`.apiserver`) may use: any number of other addresses together hold at most
+384, so idle or slow connections from tenants' pods cannot refuse the API server's
+reviews (which, under the creator check's ``failurePolicy: Fail``, would refuse every
+pod)."""
+API_SERVER_EVERY_SECONDS = 30.0
+"""How often the API server's addresses are read again (they change when the control
+plane is replaced: an EKS upgrade)."""
 WATCH_POOL_SPARE = 8
 """Connections of the watch pool beyond one per watch (re-lists while a watch restarts)."""
 
@@ -83,6 +100,7 @@ class Operator:
         # pool: a slow one must not hold up a renewal.
         self.membership = Kube(endpoint, name="members", pool_size=2, metrics=metrics)
         self.engine_ready = False
+        self.api_server = ApiServerAddresses(self.lookups, settings.api_server_addresses)
         self.caches = Caches(
             self.watches,
             settings.namespaces,
@@ -215,23 +233,26 @@ class Operator:
         )
         self.optin.add_routes(admission)
         # The intake's connections are bounded globally and per address (the tenants');
-        # the API server (admission) and the probes (metrics) come from few addresses.
-        for name, app, port, most, per_source in (
-            (
-                "intake",
-                self.intake.app(),
-                s.listen_port,
-                s.max_connections,
-                s.connections_per_source,
-            ),
-            ("admission", admission, s.admission_port, OTHER_LISTENER_CONNECTIONS, None),
-            (
-                "metrics",
-                self.intake.monitoring_app(),
-                s.metrics_port,
-                OTHER_LISTENER_CONNECTIONS,
-                None,
-            ),
+        # the admission listener's per address too, with a reserve for the API server's own
+        # addresses (read before it listens); the probes (metrics) come from the node.
+        await self.api_server.refresh()
+        limits: dict[str, dict[str, Any]] = {
+            "intake": {
+                "max_connections": s.max_connections,
+                "connections_per_source": s.connections_per_source,
+            },
+            "admission": {
+                "max_connections": OTHER_LISTENER_CONNECTIONS,
+                "connections_per_source": ADMISSION_CONNECTIONS_PER_SOURCE,
+                "reserved": ADMISSION_RESERVED,
+                "reserved_for": self.api_server,
+            },
+            "metrics": {"max_connections": OTHER_LISTENER_CONNECTIONS},
+        }
+        for name, app, port in (
+            ("intake", self.intake.app(), s.listen_port),
+            ("admission", admission, s.admission_port),
+            ("metrics", self.intake.monitoring_app(), s.metrics_port),
         ):
             runner = self.intake.runner(app)
             await runner.setup()
@@ -244,12 +265,12 @@ class Operator:
                 handshake_seconds=s.tls_handshake_timeout_seconds,
                 handshakes_per_source=s.handshakes_per_source,
                 name=name,
-                max_connections=most,
-                connections_per_source=per_source,
+                **limits[name],
             )
             await site.start()
             log.info("%s listening on %s", name, site.name)
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
+        self._every(API_SERVER_EVERY_SECONDS, self.api_server.refresh)
         await self.optin.start()
 
     async def _elect_when_synced(self) -> None:

@@ -17,6 +17,10 @@ Each listener bounds what its connections may cost before it spends anything on 
   address; a connection past either is reset as it is accepted, before its TLS handshake
   (the agent retries after its back-off), so memory is bounded by the number of
   connections, whoever opens them (docs/operator.md, "Memory");
+- ``reserved`` of those connections only for the addresses ``reserved_for`` names (the
+  admission listener's: the API server's own, which no per-source limit counts): other
+  addresses together may hold ``max_connections - reserved``, so no number of them can
+  shut the API server out;
 - its own TLS handshakes: one address may have at most ``handshakes_per_source`` in
   progress, and a handshake not complete after ``handshake_seconds`` is closed;
 - a TLS read buffer of :data:`TLS_READ_BUFFER` bytes per connection, not asyncio's 256 KiB
@@ -30,6 +34,7 @@ import logging
 import ssl
 from asyncio import sslproto
 from collections import Counter
+from collections.abc import Callable, Collection
 from typing import Any
 
 from aiohttp import web
@@ -66,6 +71,8 @@ class GuardedSite(web.BaseSite):
         name: str,
         max_connections: int = 4608,
         connections_per_source: int | None = None,
+        reserved: int = 0,
+        reserved_for: Callable[[], Collection[str]] = frozenset,
         backlog: int = 4096,
     ) -> None:
         super().__init__(runner, backlog=backlog)
@@ -74,6 +81,8 @@ class GuardedSite(web.BaseSite):
         self._handshakes_per_source = handshakes_per_source
         self.max_connections = max_connections
         self.connections_per_source = connections_per_source
+        self.reserved = reserved
+        self.reserved_for = reserved_for
         self._label = name
         self.handshaking: Counter[str] = Counter()
         """Handshakes in progress, by client address."""
@@ -81,6 +90,8 @@ class GuardedSite(web.BaseSite):
         """Open connections (handshaking or not), by client address."""
         self.open = 0
         """Open connections."""
+        self.open_unreserved = 0
+        """Open connections from addresses :attr:`reserved_for` does not name."""
         self.peak = 0
         """The most connections that were open at once."""
         self._securing: set[_SSLProtocol] = set()
@@ -108,22 +119,30 @@ class GuardedSite(web.BaseSite):
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
         per_source = self.connections_per_source
+        reserved = self.reserved > 0 and source in self.reserved_for()
         if (
             self.open >= self.max_connections
-            or (per_source is not None and self.connected[source] >= per_source)
+            or (
+                not reserved
+                and (
+                    self.open_unreserved >= self.max_connections - self.reserved
+                    or (per_source is not None and self.connected[source] >= per_source)
+                )
+            )
             or (self._tls is not None and self.handshaking[source] >= self._handshakes_per_source)
         ):
             self.refused += 1
             transport.abort()
             return
         self.open += 1
+        self.open_unreserved += not reserved
         self.peak = max(self.peak, self.open)
         self.connected[source] += 1
         server = self._runner.server
         assert server is not None
         app_protocol = server()
         if self._tls is None:
-            counted = _Counted(self, source, app_protocol)
+            counted = _Counted(self, source, reserved, app_protocol)
             transport.set_protocol(counted)
             app_protocol.connection_made(transport)
             return
@@ -134,6 +153,7 @@ class GuardedSite(web.BaseSite):
         secured = _SSLProtocol(
             self,
             source,
+            reserved,
             loop,
             app_protocol,
             self._tls,
@@ -154,8 +174,9 @@ class GuardedSite(web.BaseSite):
         if not waiter.cancelled() and (exc := waiter.exception()) is not None:
             log.debug("%s: a TLS handshake from %s failed: %s", self._label, source, exc)
 
-    def _closed(self, source: str) -> None:
+    def _closed(self, source: str, reserved: bool) -> None:
         self.open -= 1
+        self.open_unreserved -= not reserved
         self.connected[source] -= 1
         if self.connected[source] <= 0:
             del self.connected[source]
@@ -178,9 +199,11 @@ class _SSLProtocol(sslproto.SSLProtocol):
 
     max_size = TLS_READ_BUFFER
 
-    def __init__(self, site: GuardedSite, source: str, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, site: GuardedSite, source: str, reserved: bool, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._site, self._source = site, source
+        self._site, self._source, self._reserved = site, source, reserved
 
     def abort_handshake(self) -> None:
         transport: Any = self._transport
@@ -191,15 +214,15 @@ class _SSLProtocol(sslproto.SSLProtocol):
         try:
             super().connection_lost(exc)
         finally:
-            self._site._closed(self._source)
+            self._site._closed(self._source, self._reserved)
 
 
 class _Counted(asyncio.Protocol):
     """A plain connection's protocol, passed through, which tells its site when the
     connection closes."""
 
-    def __init__(self, site: GuardedSite, source: str, inner: Any) -> None:
-        self._site, self._source, self._inner = site, source, inner
+    def __init__(self, site: GuardedSite, source: str, reserved: bool, inner: Any) -> None:
+        self._site, self._source, self._reserved, self._inner = site, source, reserved, inner
 
     def data_received(self, data: bytes) -> None:
         self._inner.data_received(data)
@@ -217,4 +240,4 @@ class _Counted(asyncio.Protocol):
         try:
             self._inner.connection_lost(exc)
         finally:
-            self._site._closed(self._source)
+            self._site._closed(self._source, self._reserved)

@@ -7,6 +7,7 @@ off, agreement of two nodes before any node is quarantined.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping
@@ -56,6 +57,11 @@ class OperatorSettings:
     connections_per_source: int = 32
     """Connections one client address may hold open at once on the intake; more are reset
     as they are accepted. An agent holds one (or one per reporting rank of its pod)."""
+    api_server_addresses: tuple[str, ...] = ()
+    """IP addresses the API server calls the webhooks from, besides those it publishes in
+    the Endpoints ``default/kubernetes`` (comma-separated): the admission listener keeps
+    connections in reserve for them. Needed only where the API server calls from an
+    address it does not publish (another interface, a NAT)."""
     tls_cert_file: str | None = None
     """PEM certificate for HTTPS; with ``tls_key_file``. Unset: plain HTTP (only behind a
     mesh or for development: the Bearer tokens travel in the clear)."""
@@ -303,6 +309,11 @@ class OperatorSettings:
             raise bad(
                 "trusted_pod_creators", "must name at least one user when attestation is required"
             )
+        for address in self.api_server_addresses:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise bad("api_server_addresses", f"not an IP address: {address!r}") from None
         if self.lease_seconds < 2:
             raise bad("lease_seconds", f"must be >= 2, got {self.lease_seconds}")
         if not self.token_audience:
