@@ -150,6 +150,7 @@ class Operator:
             serving=self.serving,
             caches=self.caches,
             effects=self.engine.recorded,
+            api_server=self.api_server,
         )
 
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -35,6 +35,7 @@ class OptIn:
         serving: ServingCertificate | None = None,
         caches: Caches | None = None,
         effects: Effects | None = None,
+        api_server: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self.settings = settings
         self.serving = serving
@@ -52,6 +53,7 @@ class OptIn:
             trusted_creators=trusted_creators,
             registry=registry,
             ca_available=lambda: publisher is not None and publisher.current() is not None,
+            api_server=api_server,
         )
         if self.publisher is not None and self.publisher.current() is None:
             log.warning(

@@ -35,7 +35,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -87,6 +87,11 @@ MAX_IN_FLIGHT_PER_SOURCE = 64
 """Reviews one client address may have in flight at once: a source trickling bodies (or
 flooding) holds at most a quarter of :data:`MAX_IN_FLIGHT`, and the API server's own
 reviews, from its own addresses, still find room."""
+MAX_IN_FLIGHT_RESERVED = 64
+"""Of :data:`MAX_IN_FLIGHT`, the reviews only the API server's own addresses
+(:mod:`.apiserver`) may have in flight, which :data:`MAX_IN_FLIGHT_PER_SOURCE` does not
+limit: any number of other addresses together have at most 192, so slow reviews from many
+tenants' pods cannot have the API server's answered 503."""
 MAX_REVIEW_DEPTH = 64
 """How deeply a review's JSON may nest. A pod's deepest field (a node affinity's values, a
 managed field's ``fieldsV1`` beside it) is about 20 levels below the review; what nests
@@ -419,8 +424,10 @@ class PodWebhook:
         trusted_creators: Callable[[], tuple[str, ...]],
         registry: CollectorRegistry,
         ca_available: Callable[[], bool] = lambda: True,
+        api_server: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self.settings = settings
+        self.api_server = api_server
         self.lookups = lookups
         self.trusted_creators = trusted_creators
         self.token_audience = token_audience
@@ -428,6 +435,7 @@ class PodWebhook:
         # a volume of a ConfigMap that never appears would keep the pod from starting.
         self.ca_available = ca_available
         self.in_flight = 0
+        self.in_flight_unreserved = 0
         self.by_source: collections.Counter[str] = collections.Counter()
         self.reviews = Counter(
             "hyperpod_sdc_admission_reviews",
@@ -454,7 +462,14 @@ class PodWebhook:
         answer: Callable[[web.Request, dict[str, Any]], Awaitable[web.Response]],
     ) -> web.Response:
         source = request.remote or ""
-        if self.in_flight >= MAX_IN_FLIGHT or self.by_source[source] >= MAX_IN_FLIGHT_PER_SOURCE:
+        reserved = source in self.api_server()
+        if self.in_flight >= MAX_IN_FLIGHT or (
+            not reserved
+            and (
+                self.in_flight_unreserved >= MAX_IN_FLIGHT - MAX_IN_FLIGHT_RESERVED
+                or self.by_source[source] >= MAX_IN_FLIGHT_PER_SOURCE
+            )
+        ):
             self.reviews.labels("", "refused").inc()
             overloaded = web.json_response(
                 {"error": "overloaded", "message": "too many reviews at once"},
@@ -464,6 +479,7 @@ class PodWebhook:
             overloaded.force_close()
             return overloaded
         self.in_flight += 1
+        self.in_flight_unreserved += not reserved
         self.by_source[source] += 1
         try:
             try:
@@ -480,6 +496,7 @@ class PodWebhook:
             return await answer(request, review["request"])
         finally:
             self.in_flight -= 1
+            self.in_flight_unreserved -= not reserved
             self.by_source[source] -= 1
             if self.by_source[source] <= 0:
                 del self.by_source[source]
