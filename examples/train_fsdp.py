@@ -16,6 +16,14 @@ checks have vouched for the step when it is written) every rank writes its shard
 the directory verified when every check has. On start the script resumes from the newest
 verified checkpoint at or before ``HYPERPOD_SDC_RESUME_MAX_STEP`` (set by the operator after
 an incident), on however many nodes the job now has: DCP reshards on load.
+
+Verified snapshots, as in examples/train.py (on unless ``--snapshot-copies 0``): the Guard
+keeps ``last_clean_step``'s shards in host memory (HSDP: every replica of a shard holds it;
+FSDP: each rank's shards also on the next node) and at a detection the healthy ranks write
+them as ``<checkpoint dir>/sdc-snapshot-step_<k>``; the script then trains no further and
+waits to be stopped (``--hold-seconds``), and a restart resumes from the snapshot, loaded
+into however many ranks it now has (:func:`sdc_agent.snapshot.load_snapshot`). The
+snapshot, hold and stop helpers are examples/train.py's, imported from beside this file.
 """
 
 from __future__ import annotations
@@ -24,13 +32,16 @@ import argparse
 import gc
 import json
 import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from train import hold, snapshot_copies, stop, stopping  # examples/train.py, beside this file
 
 import sdc_agent
 from sdc_agent.checkpoint import (
@@ -40,6 +51,8 @@ from sdc_agent.checkpoint import (
     select_checkpoint,
     state_digest,
 )
+from sdc_agent.config import SNAPSHOT_DIR_ENV
+from sdc_agent.snapshot import SNAPSHOT_PREFIX, load_snapshot
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -102,11 +115,25 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument(
+        "--snapshot-copies",
+        type=int,
+        help="verified snapshot in host memory (0: off; default: HYPERPOD_SDC_SNAPSHOT_COPIES, "
+        "else 2, or 1 on one node; HSDP keeps its replicas' shards whatever the number)",
+    )
+    parser.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=600.0,
+        help="after a snapshot was written at a detection, wait this long to be stopped",
+    )
+    parser.add_argument(
         "--result-file",
         type=Path,
-        help="write each checkpoint's and the loaded state's SHA-256 here (JSON), to compare",
+        help="write each checkpoint's, the loaded and the final state's SHA-256 here (JSON)",
     )
     args = parser.parse_args()
+
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
 
     sdc_agent.enable_determinism()  # before CUDA is used: the replay audit compares bits
     cuda = torch.cuda.is_available()
@@ -137,14 +164,22 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> N
     args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if find_checkpoints(args.checkpoint_dir):
         ckpt = select_checkpoint(args.checkpoint_dir)  # honours HYPERPOD_SDC_RESUME_MAX_STEP
-        load_dcp(ckpt.path, model, optimizer)  # every rank, resharded to this world
-        start = ckpt.step
+        if ckpt.path.name.startswith(SNAPSHOT_PREFIX):  # written at a detection
+            start, _ = load_snapshot(ckpt.path, model, optimizer)  # each rank its own shards
+        else:
+            load_dcp(ckpt.path, model, optimizer)  # every rank, resharded to this world
+            start = ckpt.step
         if args.result_file is not None:
             outcome["loaded"] = {"step": start, "sha256": state_digest(model, optimizer)}
         if rank == 0:
             print(f"resumed from {ckpt.path} (step {start})", flush=True)
-    # Evidence bundles go next to the checkpoints (a volume every node mounts).
-    config = sdc_agent.GuardConfig.from_env(bundle_dir=str(args.checkpoint_dir.resolve()))
+    outcome["resumed_from"] = start
+    # Evidence bundles and snapshots go next to the checkpoints (a volume every node mounts).
+    here = str(args.checkpoint_dir.resolve())
+    settings: dict[str, Any] = {"snapshot_copies": snapshot_copies(args.snapshot_copies)}
+    if not os.environ.get(SNAPSHOT_DIR_ENV, "").strip():
+        settings["snapshot_dir"] = here
+    config = sdc_agent.GuardConfig.from_env(bundle_dir=here, **settings)
     guard = sdc_agent.Guard(model, optimizer, loss_fn, config)
     if start:
         guard.restore(start, location=str(ckpt.path))
@@ -156,6 +191,11 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> N
         for verdict in result.verdicts:
             if rank == 0:
                 print(f"step {verdict.step}: {verdict.message}", flush=True)
+        snapshot = guard.snapshot
+        if snapshot is not None and snapshot.holding:
+            hold(guard, args.hold_seconds, rank)
+        if stopping.is_set():
+            stop(guard, rank)
         if step % args.checkpoint_every == 0:
             path = save_dcp(args.checkpoint_dir / f"step_{step}", model, optimizer)
             if args.result_file is not None:
@@ -167,9 +207,16 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> N
     guard.close()
     if rank == 0:
         print(f"done: last clean step {last_clean}", flush=True)
-    if args.result_file is not None and rank == 0:
-        outcome |= {"checkpoints": digests, "last_clean_step": last_clean}
-        args.result_file.write_text(json.dumps(outcome))
+    if args.result_file is not None:
+        final = state_digest(model, optimizer)  # every rank (it gathers the state)
+        if rank == 0:
+            outcome |= {
+                "checkpoints": digests,
+                "last_clean_step": last_clean,
+                "steps": args.steps,
+                "sha256": final,
+            }
+            args.result_file.write_text(json.dumps(outcome))
 
 
 if __name__ == "__main__":

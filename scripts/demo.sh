@@ -4,7 +4,8 @@
 # its pods), with a corrupting GPU on one node: detected, localized,
 # contained, resumed from a clean checkpoint, finished with the weights of a clean run; the
 # node confirmed by the operator's confirmation pod and replaced (auto-replace-confirmed).
-# Extra arguments go to scripts/e2e_demo.py (--keep DIR keeps the logs).
+# Extra arguments go to scripts/e2e_demo.py (--keep DIR keeps the logs; --layout hsdp runs the
+# job as HSDP, replicate 3 x shard 2, examples/train_fsdp.py: detected, contained, resumed).
 #
 # The agent alone, without Kubernetes: .venv/bin/python -m sdc_agent.demo
 set -euo pipefail

@@ -41,11 +41,22 @@ is not confirmed. The job audits every 10 steps and writes a periodic checkpoint
 the last clean step 40 as a verified checkpoint, and the job resumes from step 40, not from
 the periodic checkpoint of step 30; the demo prints the work lost (at most one audit
 interval). Exit status 0 only if everything happened.
+
+``--layout hsdp`` runs the same job as HSDP (``examples/train_fsdp.py --layout hsdp``:
+FSDP2 on a 2-D mesh, replicate 3 x shard 2, one replica per node, sharded DCP checkpoints,
+the verified snapshot of every replica's shards): detected, contained and resumed from the
+snapshot as above, finished with the state (weights and optimizer, by
+``sdc_agent.checkpoint.state_digest``) of the clean HSDP run. Not confirmed, not replaced:
+an evidence bundle written under FSDP2 cannot rebuild its model yet (an FSDP2 module cannot
+be deep-copied: the confirmation would end ``unknown``), so that variant runs the operator
+with ``confirmation`` off under the ``manual`` policy, and the node stays quarantined for a
+person to decide.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -73,7 +84,25 @@ CHECKPOINT_EVERY = 30  # periodic checkpoints: longer than the audit interval, a
 FAULT_STEP = 43  # caught by the audit of step 50; last clean step 40; periodic checkpoint 30
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
 CLUSTER = "demo-cluster"  # the HyperPod cluster (the nodes' sagemaker.amazonaws.com/cluster-name)
-POLICY = "auto-replace-confirmed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """What differs between the DDP job and its HSDP variant."""
+
+    name: str
+    script: tuple[str, ...]
+    """The training script and its layout arguments, under examples/."""
+    policy: str
+    """The remediation policy (the operator's setting and the SDCPolicy's)."""
+    confirmation: bool
+    """Whether the operator runs the confirmation pod (and the demo a second opinion)."""
+
+
+LAYOUTS = {
+    "ddp": Layout("ddp", ("train.py",), "auto-replace-confirmed", True),
+    "hsdp": Layout("hsdp", ("train_fsdp.py", "--layout", "hsdp"), "manual", False),
+}
 SECOND_OPINION_LABEL = "demo.hyperpod-sdc.dev/second-opinion"
 AGENT_ENV = {
     "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
@@ -107,7 +136,12 @@ class Operator(OperatorProcess):
     shared = False
 
     def __init__(
-        self, cluster: Cluster, log: Path, tls: tuple[Path, Path, Path], extra_env: dict[str, str]
+        self,
+        cluster: Cluster,
+        log: Path,
+        tls: tuple[Path, Path, Path],
+        extra_env: dict[str, str],
+        layout: Layout,
     ) -> None:
         self.ca, cert, key = tls
         super().__init__(
@@ -122,7 +156,8 @@ class Operator(OperatorProcess):
             tls_ca_file=str(self.ca),  # published as ConfigMap hyperpod-sdc-ca
             trusted_pod_creators="system:serviceaccount:{}:{}".format(*TRAINING_OPERATOR),
             job_sweep_seconds="2",
-            remediation_policy=POLICY,
+            remediation_policy=layout.policy,
+            confirmation=str(layout.confirmation).lower(),
         )
 
     def environment(self) -> dict[str, str]:
@@ -152,10 +187,10 @@ def faulty_gpu(faulty: str | None) -> tuple[Any, Any]:
 # -- scenarios -------------------------------------------------------------------------------
 
 
-def admit_namespace(server: Cluster) -> None:
+def admit_namespace(server: Cluster, layout: Layout) -> None:
     """The cluster admin's step: an SDCPolicy admitting the demo's namespace, replacing
     nodes a confirmation run reproduced the fault on."""
-    server.policy("demo", {"namespaces": [NAMESPACE], "remediationPolicy": POLICY})
+    server.policy("demo", {"namespaces": [NAMESPACE], "remediationPolicy": layout.policy})
 
 
 def create_job(server: Cluster, name: str, checkpoints: Path) -> None:
@@ -317,6 +352,7 @@ def scenario(
     name: str,
     faulty: str | None,
     work: Path,
+    layout: Layout,
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
     create_job(server, name, work / "ckpt")
@@ -330,7 +366,8 @@ def scenario(
         work,
         command=[
             PYTHON,
-            str(ROOT / "examples" / "train.py"),
+            str(ROOT / "examples" / layout.script[0]),
+            *layout.script[1:],
             "--steps",
             str(STEPS),
             "--checkpoint-dir",
@@ -346,7 +383,7 @@ def scenario(
         confirmation_env=confirmation_env,
         serve_labels=(CONFIRMATION_LABEL, SECOND_OPINION_LABEL),
     )
-    if faulty is not None:
+    if faulty is not None and layout.confirmation:
         # the same bundle on a healthy node, at the same time (to keep the demo short)
         healthy = nodes[0]
         runner.on_confirmation = lambda pod: second_opinion(server, runner, pod, healthy)
@@ -370,7 +407,7 @@ def scenario(
             f"step {STEPS} reached; final weights sha256 {result.get('sha256', '?')[:16]}...",
         )
     opinion: dict[str, Any] = {}
-    if faulty is not None:
+    if faulty is not None and layout.confirmation:
         settle(server, runner, name, watch)
         opinion = second_opinion_result(runner, watch)
     incidents = sorted(
@@ -457,6 +494,7 @@ def check(
     nodes: list[str],
     instances: dict[str, str],
     calls: list[tuple[str, dict[str, Any]]],
+    layout: Layout,
 ) -> list[str]:
     """Everything the demo promises; returns what did not happen."""
     problems = []
@@ -517,6 +555,13 @@ def check(
         problems.append("the faulty run did not finish")
     if faulty["result"].get("sha256") != clean["result"].get("sha256"):
         problems.append("the final weights differ from the clean run's")
+    if not layout.confirmation:
+        # Confirmation off, a person decides: no confirmation pod, nothing asked of SageMaker.
+        if clean["confirmation_pods"] or faulty["confirmation_pods"]:
+            problems.append("a confirmation pod was made with confirmation off")
+        if calls:
+            problems.append(f"expected no SageMaker call under the manual policy, got {calls}")
+        return problems
     return problems + check_confirmation(clean, faulty, bad, instances, calls)
 
 
@@ -569,7 +614,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the outcome here")
     parser.add_argument("--keep", type=Path, help="keep logs and state here (default: removed)")
+    parser.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="ddp",
+        help="ddp: examples/train.py (DDP); hsdp: examples/train_fsdp.py --layout hsdp "
+        "(replicate 3 x shard 2), not confirmed (see above)",
+    )
     args = parser.parse_args()
+    layout = LAYOUTS[args.layout]
     wall = time.monotonic()
     say(__doc__.split("\n\n")[0].replace("\n", " "))
     say(
@@ -593,23 +646,28 @@ def main() -> int:
             node = server.node(labels={"sagemaker.amazonaws.com/cluster-name": CLUSTER}, ready=True)
             instances[node["metadata"]["name"]] = node["spec"]["providerID"].rsplit("/", 1)[1]
         nodes = list(instances)
-        admit_namespace(server)
+        admit_namespace(server, layout)
         trainer = training_operator(server, base)
         tls = ca_and_certificate(base / "tls", "operator")
-        op = Operator(server, base / "operator.log", tls, sagemaker.env())
+        op = Operator(server, base / "operator.log", tls, sagemaker.env(), layout)
         say(f"Nodes: {', '.join(nodes)} (the last one is spare). Operator at {op.url}.")
         say(
             f'The jobs carry only the annotation hyperpod-sdc.dev/enabled: "true"; the webhook '
             f"wires their pods, SDCPolicy admits namespace {NAMESPACE} with remediation "
-            f"policy {POLICY}.\n"
+            f"policy {layout.policy}"
+            + ("" if layout.confirmation else " (confirmation off)")
+            + ".\n"
         )
-        say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks, {STEPS} steps")
-        clean = scenario(server, trainer, nodes, "clean-run", None, base / "clean")
+        shape = "" if layout.name == "ddp" else f", HSDP: replicate {REPLICAS} x shard 2"
+        say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks{shape}, {STEPS} steps")
+        clean = scenario(server, trainer, nodes, "clean-run", None, base / "clean", layout)
         say(
             f"\n2. Same job, and from step {FAULT_STEP} GPU 1 of {nodes[FAULTY_NODE]} returns "
             "4.0001 instead of 4.0000 (a relative error of 2.5e-5 in the first layer's output)"
         )
-        faulty = scenario(server, trainer, nodes, "llama-demo", nodes[FAULTY_NODE], base / "faulty")
+        faulty = scenario(
+            server, trainer, nodes, "llama-demo", nodes[FAULTY_NODE], base / "faulty", layout
+        )
         say("\n$ kubectl get sdcincidents -n ml")
         table = server.kubectl("get", "sdcincidents", "-n", NAMESPACE)
         say(table)
@@ -625,14 +683,15 @@ def main() -> int:
                 f"lost {lost['steps_from_periodic_checkpoint']}; the audit runs every {INTERVAL}."
             )
         second = faulty["second_opinion"]
-        say(
-            f"Same bundle on healthy node {second.get('node')}: exit {second.get('exit_code')}, "
-            f"{(second.get('summary') or {}).get('outcome')} "
-            f"({(second.get('summary') or {}).get('reason', second.get('error', ''))})"
-        )
+        if layout.confirmation:
+            say(
+                f"Same bundle on healthy node {second.get('node')}: exit "
+                f"{second.get('exit_code')}, {(second.get('summary') or {}).get('outcome')} "
+                f"({(second.get('summary') or {}).get('reason', second.get('error', ''))})"
+            )
         calls = list(sagemaker.calls)
         say(f"SageMaker calls: {calls}")
-        problems = check(clean, faulty, nodes, instances, calls)
+        problems = check(clean, faulty, nodes, instances, calls, layout)
         if sagemaker.invalid:
             problems.append(f"SageMaker refused requests: {sagemaker.invalid}")
     finally:
@@ -648,6 +707,7 @@ def main() -> int:
             json.dumps(
                 {
                     "problems": problems,
+                    "layout": layout.name,
                     "wall_seconds": round(seconds, 1),
                     "nodes": nodes,
                     "instances": instances,

@@ -27,6 +27,9 @@ def thread_names() -> list[str]:
 def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
+    # As `python script.py` does: the script's folder first on the path (examples import
+    # each other).
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
     left = [name for name in thread_names() if "gloo" in name]
     if left:

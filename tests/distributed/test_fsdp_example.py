@@ -29,6 +29,9 @@ CHECKS = {
     "HYPERPOD_SDC_REPLAY_EVERY": "1",
     "HYPERPOD_SDC_WEIGHTS_EVERY": "1",
     "HYPERPOD_SDC_FINGERPRINT_BACKEND": "eager",
+    # The periodic checkpoints' verification and resume (the snapshot at a detection, which
+    # stops the job, is the e2e demo's HSDP variant: tests/e2e/test_demo.py).
+    "HYPERPOD_SDC_SNAPSHOT_COPIES": "0",
 }
 
 

@@ -6,14 +6,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # the whole demo: about 2 min on 2 cores
-def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_path: Path) -> None:
+def run_demo(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """scripts/e2e_demo.py with ``args``: its output and its JSON, once it succeeded."""
     out = tmp_path / "demo.json"
     done = subprocess.run(
         [
@@ -23,6 +24,7 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
             str(out),
             "--keep",
             str(tmp_path / "state"),
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -31,6 +33,12 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     demo = json.loads(out.read_text())
     assert demo["problems"] == []
+    return done.stdout, demo
+
+
+@pytest.mark.slow  # the whole demo: about 2 min on 2 cores
+def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_path: Path) -> None:
+    stdout, demo = run_demo(tmp_path)
 
     # the job carries only the annotation; the webhook wired every pod the runner created,
     # and the training operator's pods carry its creator marker (kept true by the creator
@@ -64,6 +72,73 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
             assert pod["metadata"]["labels"]["hyperpod-sdc.dev/attested"] == "true"
             assert "hyperpod-sdc.dev/attestation" not in annotations  # no v2 HMAC any more
 
+    status = check_contained_and_resumed(demo, stdout)
+    # the node is quarantined at once; the stop waited for the snapshot's report
+    assert [a["action"] for a in status["actions"]] == [
+        "quarantine-node",
+        "suspend-job",
+        "resume-job",
+        "confirm-node",
+        "replace-node",
+    ]
+    faulty, clean, bad = demo["faulty"], demo["clean"], demo["faulty_node"]
+    incident = faulty["incidents"][0]
+    # confirmed on the faulty node, where the emulated GPU is still broken, naming that GPU;
+    # replaced by the policy auto-replace-confirmed, with exactly one SageMaker call
+    assert status["phase"] == "Remediated"
+    confirmed = next(c for c in status["conditions"] if c["type"] == "Confirmed")
+    assert (confirmed["status"], confirmed["reason"]) == ("True", "Reproduced")
+    assert f"(local rank 1) of node {bad}" in confirmed["message"]
+    record = status["confirmation"]
+    assert (record["outcome"], record["exitCode"], record["node"]) == ("confirmed", 3, bad)
+    assert record["bundle"] == incident["spec"]["bundle"]
+    assert [g["localRank"] for g in record["gpus"] if g["result"] == "reproduces"] == [1]
+    assert demo["sagemaker_calls"] == [
+        [
+            "BatchReplaceClusterNodes",
+            {"ClusterName": "demo-cluster", "NodeIds": [demo["instances"][bad]]},
+        ]
+    ]
+    # the same bundle on a healthy node: not confirmed
+    second = faulty["second_opinion"]
+    assert second["node"] != bad and second["exit_code"] == 0
+    assert second["summary"]["outcome"] == "not-confirmed"
+    assert not clean["confirmation_pods"]
+    assert "llama-demo" in demo["table"] and "Remediated" in demo["table"]
+    assert "CONFIRMED" in demo["table"] and "confirmed" in demo["table"]
+
+
+@pytest.mark.slow  # the whole demo twice over, as HSDP: about 3 min on 2 cores
+def test_the_hsdp_variant_is_detected_contained_and_resumed_from_its_snapshot(
+    tmp_path: Path,
+) -> None:
+    """``scripts/demo.sh --layout hsdp``: examples/train_fsdp.py, replicate 3 x shard 2, one
+    replica per node; confirmation off and the manual policy (an FSDP2 bundle cannot
+    rebuild its model yet), so the node stays quarantined for a person."""
+    stdout, demo = run_demo(tmp_path, "--layout", "hsdp")
+    assert demo["layout"] == "hsdp"
+    assert "HSDP: replicate 3 x shard 2" in stdout
+    status = check_contained_and_resumed(demo, stdout)
+    assert [a["action"] for a in status["actions"]] == [
+        "quarantine-node",
+        "suspend-job",
+        "resume-job",
+    ]
+    # the verdict's evidence: the layout and the suspect's mesh coordinates (rank 3: the
+    # second replica group, shard 1)
+    spec = demo["faulty"]["incidents"][0]["spec"]
+    evidence = spec.get("evidence") or {}
+    assert evidence.get("layout") == "hsdp", spec
+    assert evidence["mesh_coordinates"] == {"3": {"replicate": 1, "shard": 1}}
+    assert demo["sagemaker_calls"] == []
+    assert not demo["faulty"]["confirmation_pods"] and not demo["clean"]["confirmation_pods"]
+    assert status["phase"] != "Remediated"
+
+
+def check_contained_and_resumed(demo: dict[str, Any], stdout: str) -> dict[str, Any]:
+    """What both layouts promise: the clean run touches nothing; the faulty one is named,
+    contained, resumed on the spare node from the verified snapshot of its last clean step,
+    and ends with the clean run's state. Returns the first incident's status."""
     # no fault: no incident, no node touched
     clean = demo["clean"]
     assert clean["finished"] and clean["incidents"] == []
@@ -84,14 +159,6 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     )
     # the job was suspended, the node cordoned and tainted
     assert faulty["stopped_for_suspend"] == 1
-    # the node is quarantined at once; the stop waited for the snapshot's report
-    assert [a["action"] for a in status["actions"]] == [
-        "quarantine-node",
-        "suspend-job",
-        "resume-job",
-        "confirm-node",
-        "replace-node",
-    ]
     labels, _, taints, unschedulable = faulty["nodes_after"][bad]
     assert unschedulable is True and labels["hyperpod-sdc.dev/suspect"] == "true"
     assert {"key": "hyperpod-sdc.dev/suspect", "value": "true", "effect": "NoSchedule"} in taints
@@ -126,31 +193,9 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     assert 0 < lost["steps"] <= replay_every
     assert lost["resume_step"] > lost["last_periodic_checkpoint"]
     assert lost["steps_from_periodic_checkpoint"] > lost["steps"]
-    assert f"Lost work: {lost['steps']} steps" in done.stdout
+    assert f"Lost work: {lost['steps']} steps" in stdout
     assert not [c for c in clean["checkpoints"] if c["snapshot"]]
-    # confirmed on the faulty node, where the emulated GPU is still broken, naming that GPU;
-    # replaced by the policy auto-replace-confirmed, with exactly one SageMaker call
-    assert status["phase"] == "Remediated"
-    confirmed = next(c for c in status["conditions"] if c["type"] == "Confirmed")
-    assert (confirmed["status"], confirmed["reason"]) == ("True", "Reproduced")
-    assert f"(local rank 1) of node {bad}" in confirmed["message"]
-    record = status["confirmation"]
-    assert (record["outcome"], record["exitCode"], record["node"]) == ("confirmed", 3, bad)
-    assert record["bundle"] == incident["spec"]["bundle"]
-    assert [g["localRank"] for g in record["gpus"] if g["result"] == "reproduces"] == [1]
-    assert demo["sagemaker_calls"] == [
-        [
-            "BatchReplaceClusterNodes",
-            {"ClusterName": "demo-cluster", "NodeIds": [demo["instances"][bad]]},
-        ]
-    ]
-    # the same bundle on a healthy node: not confirmed
-    second = faulty["second_opinion"]
-    assert second["node"] != bad and second["exit_code"] == 0
-    assert second["summary"]["outcome"] == "not-confirmed"
-    assert not clean["confirmation_pods"]
     # finished, with the weights of the run without the fault, bit for bit
     assert faulty["finished"]
     assert faulty["result"]["sha256"] == clean["result"]["sha256"]
-    assert "llama-demo" in demo["table"] and "Remediated" in demo["table"]
-    assert "CONFIRMED" in demo["table"] and "confirmed" in demo["table"]
+    return dict(status)
