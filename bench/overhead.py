@@ -26,15 +26,17 @@ resident memory sampled every 0.2 ms during an audited step and during the step 
 
     .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5] [--models mlp,gpt2]
 
-``--layout fsdp`` or ``--layout hsdp`` measures the same MLP sharded with FSDP2
-(``fully_shard`` on each Linear, then the root) on four gloo ranks on CPU: ``fsdp`` over
+``--layout fsdp`` or ``--layout hsdp`` measures the same models sharded with FSDP2
+(``fully_shard`` on each Linear of the MLP, then the root) on four gloo ranks on CPU: ``fsdp`` over
 one mesh dimension of 4 (4 emulated nodes of one rank, so the update check's ring covers
 every rank), ``hsdp`` over ``(replicate 2, shard 2)`` (2 emulated nodes of 2 ranks), every
-variant against plain FSDP2 in one run, as for DDP. It departs from the DDP run in: four
-ranks, not two; the MLP only (no GPT-2); Adam without ``fused`` (as FSDP2 jobs on CPU use
-it); no ``audit_memory`` (the replay there reuses FSDP2's own unsharded parameters); and
-``bound`` is one pass over the whole model's gradients (what check 1 before the
-reduce-scatter scans), against a step that also reduce-scatters and all-gathers.
+variant against plain FSDP2 in one run, as for DDP; the GPT-2 is sharded per transformer
+block, then the root (its tied embedding and LM head in the root's group), as torchtitan
+shards. It departs from the DDP run in: four ranks, not two; Adam without ``fused`` (as
+FSDP2 jobs on CPU use it); no ``audit_memory`` (the replay there reuses FSDP2's own
+unsharded parameters); and ``bound`` is one pass over the whole model's gradients (what
+check 1 before the reduce-scatter scans), against a step that also reduce-scatters and
+all-gathers.
 
 ``--device cuda`` runs one NCCL rank (world size 1) in this process on ``cuda:0`` (NCCL
 refuses two ranks on one GPU, so this measures the checks' own GPU cost, not the
@@ -259,11 +261,19 @@ def _mesh(layout: str, device: torch.device) -> Any:
 
 
 def _fully_shard(net: nn.Module, mesh: Any) -> nn.Module:
+    """``fully_shard`` per block, then the root: each Linear of the MLP; each transformer
+    block of the GPT-2 (as torchtitan does; the embedding and the LM head, whose weights
+    are tied, stay in the root's group)."""
     from torch.distributed.fsdp import fully_shard
 
-    for module in net.modules():
-        if isinstance(module, nn.Linear):
-            fully_shard(module, mesh=mesh)
+    blocks = getattr(getattr(net, "transformer", None), "h", None)
+    units = (
+        list(blocks)
+        if blocks is not None
+        else [m for m in net.modules() if isinstance(m, nn.Linear)]
+    )
+    for module in units:
+        fully_shard(module, mesh=mesh)
     fully_shard(net, mesh=mesh)
     return net
 
@@ -556,12 +566,8 @@ def main() -> None:
     kinds = [k for k in args.models.split(",") if k]
     if not kinds or any(k not in ("mlp", "gpt2") for k in kinds):
         parser.error("--models: mlp, gpt2 or mlp,gpt2")
-    if args.layout != "ddp":
-        if args.device != "cpu" or args.bf16 or args.bucket_view:
-            parser.error("--layout fsdp/hsdp: CPU only, without --bf16 or --bucket-view")
-        if "gpt2" in kinds and args.models != "mlp,gpt2":
-            parser.error("--layout fsdp/hsdp: the MLP only (--models mlp)")
-        kinds = ["mlp"]
+    if args.layout != "ddp" and (args.device != "cpu" or args.bf16 or args.bucket_view):
+        parser.error("--layout fsdp/hsdp: CPU only, without --bf16 or --bucket-view")
     nodes = {
         "ddp": ["bench-node-0", "bench-node-1"],
         "fsdp": [f"bench-node-{i}" for i in range(4)],
