@@ -3,8 +3,8 @@
 The fused optimizers (``Adam``/``AdamW``/``SGD`` with ``fused=True``) take the
 ``found_inf`` tensor ``torch.amp.GradScaler`` gives them and skip the update on the device
 when it is non-zero: the host never waits. :class:`StepGate` hands them the Guard's flag
-the same way, through an optimizer step pre-hook (added to the GradScaler's own flag when
-a scaler drives the step). Other optimizers cannot skip on the device: for them the Guard
+the same way, through an optimizer step pre-hook (the larger of it and the GradScaler's own
+flag when a scaler drives the step). Other optimizers cannot skip on the device: for them the Guard
 reads the flag on the host (one synchronisation at the end of backward) and a step it
 holds back is neutralized, should the loop call ``optimizer.step()`` anyway, by setting
 every gradient aside for that call (optimizers skip parameters without a gradient).
@@ -90,8 +90,12 @@ class StepGate:
             if theirs is None:
                 optimizer.found_inf = self._skip  # type: ignore[attr-defined]
                 self._set_found_inf = True
-            else:  # a GradScaler drives the step: add ours to its flag
-                optimizer.found_inf = theirs + self._skip.to(theirs.device)  # type: ignore[attr-defined]
+            else:
+                # A GradScaler drives the step: the larger of its flag and ours. Not their
+                # sum: the fused kernels skip only where found_inf is exactly 1 (2 would
+                # apply the update and take 2 off the step count).
+                ours = self._skip.to(theirs.device, theirs.dtype)
+                optimizer.found_inf = torch.maximum(theirs, ours)  # type: ignore[attr-defined]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._phase() != "decided":
