@@ -181,10 +181,18 @@ class SlowReviews:
 
 
 def flood_while_pods_are_made(
-    cluster: Cluster, namespace: str, s: Setup, job: dict[str, Any], sources: list[str], count: int
+    cluster: Cluster,
+    namespace: str,
+    s: Setup,
+    job: dict[str, Any],
+    sources: list[str],
+    count: int,
+    *,
+    each_refused: bool,
 ) -> dict[str, collections.Counter[int]]:
     """``count`` slow clients from each of ``sources`` for 3 s, then pods made through the
-    API server (asserted marked and wired) while they go on; their answers by source."""
+    API server (asserted marked and wired) while they go on; their answers by source,
+    refused 503 from every address (``each_refused``) or from some."""
 
     async def attack() -> dict[str, collections.Counter[int]]:
         flood = SlowReviews(s.op.admission_port, sources, count)
@@ -197,12 +205,12 @@ def flood_while_pods_are_made(
 
     answers = asyncio.run(attack())
     print(f"answers to the slow clients, by source: {answers}")
-    for source in sources:
-        # past its 64 in flight (or the 192 of all but the API server), each address was
-        # refused (503 overloaded); the others were cut off when their body had not
-        # arrived within 3 s (408)
-        assert answers[source][503] > 0, answers
-        assert set(answers[source]) <= {503, 408}, answers
+    refused = [source for source in sources if answers[source][503]]
+    # past the limit (an address's 64 in flight, or the 192 of all but the API server's)
+    # requests were refused (503 overloaded); the others were cut off when their body had
+    # not arrived within 3 s (408), or were still trickling when the flood stopped
+    assert refused == sources if each_refused else refused, answers
+    assert all(set(answers[source]) <= {503, 408} for source in sources), answers
     log = s.op.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     return answers
@@ -227,7 +235,7 @@ def test_slow_reviews_from_one_address_leave_room_for_an_api_server_not_known(
     sources = ["127.0.0.2", "127.0.0.3"]
     unreserved = MAX_IN_FLIGHT - MAX_IN_FLIGHT_RESERVED
     assert len(sources) * 100 > unreserved >= len(sources) * MAX_IN_FLIGHT_PER_SOURCE + 8
-    flood_while_pods_are_made(cluster, namespace, s, job, sources, 100)
+    flood_while_pods_are_made(cluster, namespace, s, job, sources, 100, each_refused=True)
 
 
 # timing: as above
@@ -238,15 +246,16 @@ def test_slow_reviews_from_many_addresses_leave_the_api_server_its_reserve(
 ) -> None:
     """60 slow clients from each of 5 addresses (300, more than the webhook's 256 reviews
     in flight even at 64 each): together they have at most 192 in flight, and the reviews
-    from the API server's address are answered. Without the reserve it fails: the five
-    share all 256, most addresses are never refused (the pods happened to be admitted in
-    that run: the slots free in waves as the slow clients are cut off)."""
+    from the API server's address are answered. It does not show the reserve reliably:
+    without it, in the one run tried, the five shared all 256 and yet the pods were
+    admitted (the slots free in waves as the slow clients are cut off)."""
     admit(cluster, namespace)
     s = setup(api_server_addresses="127.0.0.1")
     job = make_job(cluster, namespace, replicas=4)
     sources = [f"127.0.0.{i}" for i in range(2, 7)]
     assert len(sources) * min(60, MAX_IN_FLIGHT_PER_SOURCE) > MAX_IN_FLIGHT
-    flood_while_pods_are_made(cluster, namespace, s, job, sources, 60)
+    # (the addresses first in may hold their 60 until the flood stops: only the 192 refuses)
+    flood_while_pods_are_made(cluster, namespace, s, job, sources, 60, each_refused=False)
 
 
 def job_reads(op: OperatorProcess) -> int:
