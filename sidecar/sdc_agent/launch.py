@@ -107,6 +107,34 @@ def spawn_local(
     """
     if not nodes:
         raise SDCError("spawn_local: nodes must name at least one node")
+    # free_port() lets its port go before rank 0's store listens on it: on a busy machine
+    # another process can take it in between. Nothing has run then; start again elsewhere.
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _spawn_once(target, nodes, args, env, timeout)
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise SDCError(
+                    f"spawn_local: rank 0's port was taken by another process "
+                    f"{_PORT_ATTEMPTS} times in a row"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(SDCError):
+    """Rank 0 could not listen on the port free_port() found (EADDRINUSE)."""
+
+
+def _spawn_once(
+    target: Callable[..., Any],
+    nodes: Sequence[str],
+    args: tuple[Any, ...],
+    env: dict[str, str] | None,
+    timeout: float,
+) -> list[Any]:
     # Forked from a server process that imported torch once, not from the caller (none of
     # its threads or state is inherited, as with "spawn", and no rank pays the imports).
     ctx = mp.get_context("forkserver")
@@ -161,5 +189,7 @@ def spawn_local(
                 p.kill()
                 p.join()
     if failures:
+        if not values and failures[0].startswith("rank 0 failed") and "EADDRINUSE" in failures[0]:
+            raise _PortTaken(failures[0])
         raise SDCError("\n".join(failures))
     return [values[r] for r in range(len(procs))]

@@ -47,3 +47,31 @@ def test_each_call_gives_the_callers_environment_and_directory_at_that_call(
     ]
     for d in (first, second):
         assert sorted(p.name for p in d.iterdir()) == ["exited-0", "exited-1"]
+
+
+def _world_size(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()  # the process group spawn_local's ranks start in
+
+
+def test_a_port_taken_before_rank_0_listens_is_left_for_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """free_port() lets its port go before rank 0's store binds it; on a busy machine
+    another process can take it in between (EADDRINUSE): the ranks start again on
+    another port, as nothing has run yet."""
+    import socket
+
+    from sdc_agent import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert spawn_local(_world_size, ["a", "b"]) == [2, 2]
+    finally:
+        taken.close()
