@@ -518,8 +518,12 @@ class Guard:
             noise=self._audit.noise,
             snapshot_step=self._snapshots.to_write(),
         )
-        written = self._snapshots.write(  # after the verdicts went to the reporter
-            blocking, reporter=self.reporter, identity=self._reporting.identity
+        # After the verdicts went to the reporter. The late ones count too: on CUDA, check
+        # 3's overlapped exchange and check 1's late flags find a fault a step later, and
+        # step_done has already announced the snapshot the operator is to wait for.
+        late = [v for v in state.late_verdicts if v.classification != "nondeterministic"]
+        written = self._snapshots.write(
+            [*late, *blocking], reporter=self.reporter, identity=self._reporting.identity
         )
         if written is not None:
             self.snapshot_write = written

@@ -65,7 +65,12 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 
 def _run(
-    rank: int, guarded: bool, late: bool, fault: str | None, weights_every: int = 0
+    rank: int,
+    guarded: bool,
+    late: bool,
+    fault: str | None,
+    weights_every: int = 0,
+    snapshot_dir: str | None = None,
 ) -> dict[str, Any]:
     from sdc_agent import Guard, GuardConfig
     from sdc_agent.faults import FaultSpec
@@ -80,8 +85,13 @@ def _run(
         "weights": (FaultSpec(rank=0, step=WEIGHTS_STEP, site="weights", kind="bitflip", bit=9),),
     }[fault]
     # The per-step path: check 1 and the hook (the periodic checks have their own steps).
+    snapshots = {"snapshot_copies": 2, "snapshot_dir": snapshot_dir} if snapshot_dir else {}
     config = GuardConfig(
-        weights_every=weights_every, replay_every=0, fingerprint_backend="eager", faults=faults
+        weights_every=weights_every,
+        replay_every=0,
+        fingerprint_backend="eager",
+        faults=faults,
+        **snapshots,  # type: ignore[arg-type]
     )
     guard = Guard(ddp, optimizer, _loss, config, reporter=None) if guarded else None
     if guard is not None and late:
@@ -123,11 +133,16 @@ def _run(
         ],
         "applied": [r.applied for r in results],
         "last_clean_step": guard.last_clean_step if guard is not None else None,
+        "snapshot": (
+            (guard.snapshot_write.step, guard.snapshot_write.complete)
+            if guard is not None and guard.snapshot_write is not None
+            else None
+        ),
     }
 
 
-def _worker(rank: int, world_size: int) -> dict[str, Any]:
-    runs: dict[str, tuple[bool, bool, str | None, int]] = {
+def _worker(rank: int, world_size: int, snapshots: str) -> dict[str, Any]:
+    runs: dict[str, tuple[bool, bool, str | None, int] | tuple[bool, bool, str, int, str]] = {
         "plain": (False, False, None, 0),
         "clean": (True, False, None, 0),
         "clean_late": (True, True, None, 0),
@@ -137,13 +152,16 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         "weights_clean_late": (True, True, None, WEIGHTS_EVERY),
         "weights_fault": (True, False, "weights", WEIGHTS_EVERY),
         "weights_fault_late": (True, True, "weights", WEIGHTS_EVERY),
+        # The verified snapshot, written at a check-3 verdict found now or a step late.
+        "snapshot_now": (True, False, "weights", WEIGHTS_EVERY, f"{snapshots}/now"),
+        "snapshot_late": (True, True, "weights", WEIGHTS_EVERY, f"{snapshots}/late"),
     }
     return {name: _run(rank, *how) for name, how in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return spawn_local(_worker, NODES)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn_local(_worker, NODES, (str(tmp_path_factory.mktemp("snapshots")),))
 
 
 @pytest.mark.parametrize("name", ["clean", "clean_late"])
@@ -195,6 +213,17 @@ def test_check_3_overlapped_with_the_next_step_holds_that_step_back_on_a_mismatc
         assert now["applied"] == [True for _ in steps]
         assert late["applied"] == [s not in held for s in steps]
         assert now["last_clean_step"] == late["last_clean_step"] == WEIGHTS_STEP - WEIGHTS_EVERY
+
+
+def test_a_verdict_found_a_step_late_still_writes_the_verified_snapshot(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # On CUDA check 3's verdict comes during the next step (late verdicts); the snapshot
+    # the operator is told to wait for is written all the same (it was not, before).
+    clean = WEIGHTS_STEP - WEIGHTS_EVERY
+    for r in ranks:
+        assert r["snapshot_now"]["snapshot"] == (clean, True)
+        assert r["snapshot_late"]["snapshot"] == (clean, True)
 
 
 def _cuda_worker(rank: int, world_size: int) -> dict[str, Any]:
