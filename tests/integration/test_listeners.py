@@ -229,8 +229,9 @@ async def open_tls(port: int, trust: ssl.SSLContext, sources: list[str]) -> tupl
 
 
 @pytest.mark.slow  # 20 to 25 s on 2 cores: 1,096 TLS handshakes, client and server here
-# each handshake within the operator's 5 s timeout: other test processes competing for the
-# cores make them miss it, so this runs in the serial pass
+# each handshake within the handshake timeout, raised here from the operator's 5 s to the
+# client's 30 s (this test is about memory, not that timeout: at 5 s, 426 of 1,024
+# handshakes missed it with the machine loaded); still in the serial pass
 @pytest.mark.timing
 def test_memory_stays_within_the_bound_with_1024_tls_connections_at_once(
     cluster: Cluster,
@@ -259,6 +260,7 @@ def test_memory_stays_within_the_bound_with_1024_tls_connections_at_once(
         tls_key_file=str(key),
         max_connections=str(held),
         connections_per_source="4",
+        tls_handshake_timeout_seconds="30",
         log_level="WARNING",
     )
     trust = ssl.create_default_context(cafile=str(ca[1]))
