@@ -122,6 +122,8 @@ class Runner:
     wired_pods: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    """Each worker's log, as ``procs``."""
     placements: list[list[str]] = field(default_factory=list)
     timeline: list[tuple[float, str, str]] = field(default_factory=list)
     stopped_for_suspend: int = 0
@@ -173,6 +175,7 @@ class Runner:
                     **self.worker_env(node, rank, local),
                 }
                 name = f"{pod_name}-{local}-{len(self.placements)}.log"
+                self.logs.append(self.work / name)
                 with open(self.work / name, "wb") as log:
                     self.procs.append(
                         subprocess.Popen(
@@ -228,6 +231,15 @@ class Runner:
         )
         return kubelet.read_pod(self.cluster, self.namespace, name)
 
+    def port_taken(self) -> bool:
+        """A worker failed because the port free_port() found was taken before rank 0's
+        store listened on it (on a busy machine another process can take it in between):
+        the others would wait for that store until their own timeout."""
+        return any(
+            proc.poll() not in (None, 0) and b"EADDRINUSE" in log.read_bytes()
+            for proc, log in zip(self.procs, self.logs, strict=True)
+        )
+
     def stop(self) -> None:
         """As the kubelet stops a pod: SIGTERM, then SIGKILL after the grace period."""
         for proc in self.procs:
@@ -241,6 +253,7 @@ class Runner:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs = []
+        self.logs = []
         core = self.cluster.core
         for pod in self.pods():
             core.delete_namespaced_pod(pod, self.namespace, grace_period_seconds=0)
@@ -309,6 +322,12 @@ class Runner:
             elif not suspended and not self.procs:
                 self.running_env = current
                 self.start(job)
+            elif self.procs and self.port_taken():
+                # As torchrun's restart would: nothing ran yet, so this start never was.
+                self.stop()
+                self.placements.pop()
+                del self.wired_pods[-self.replicas :]
+                self.note("runner", "rank 0's port was taken (EADDRINUSE): starting again")
             elif self.procs and all(p.poll() is not None for p in self.procs):
                 codes = [p.returncode for p in self.procs]
                 if any(codes):
