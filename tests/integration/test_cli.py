@@ -97,6 +97,12 @@ def record(
     created = cluster.custom.create_namespaced_custom_object(
         GROUP, VERSION, job.namespace, PLURAL, body
     )
+    # The story starts at the incident's creation, whenever that came: under load the
+    # namespace and the job can take seconds, and a report at story_clock's "1 s" then
+    # came before the incident was recorded.
+    global _BASE
+    created_at = datetime.strptime(created["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ")
+    _BASE = max(_BASE, created_at.replace(tzinfo=timezone.utc) + timedelta(seconds=1))
     suspect = job.node_name(1)
     actions = [
         action(
