@@ -54,6 +54,10 @@ per review in flight (the webhook answers at most 64 at once from one address, m
 (client-go's transport; the chart registers two): 64 + 2 x 25 = 114 at most. So one
 address cannot hold the listener's 512, and an API server's address is never refused by
 this limit; its published addresses are not counted by it at all."""
+METRICS_CONNECTIONS_PER_SOURCE = 64
+"""Connections one address may hold on the metrics listener: Prometheus keeps one or two
+per target and the kubelet's probes one each; one address cannot hold the listener's 512
+(where the liveness probe would then be refused and the operator restarted)."""
 ADMISSION_RESERVED = 128
 """Of the admission listener's 512 connections, those only the API server's published
 addresses (:mod:`.apiserver`) may use: any number of other addresses together hold at most
@@ -235,7 +239,7 @@ class Operator:
         self.optin.add_routes(admission)
         # The intake's connections are bounded globally and per address (the tenants');
         # the admission listener's per address too, with a reserve for the API server's own
-        # addresses (read before it listens); the probes (metrics) come from the node.
+        # addresses (read before it listens); the metrics listener's per address too.
         await self.api_server.refresh()
         limits: dict[str, dict[str, Any]] = {
             "intake": {
@@ -248,7 +252,10 @@ class Operator:
                 "reserved": ADMISSION_RESERVED,
                 "reserved_for": self.api_server,
             },
-            "metrics": {"max_connections": OTHER_LISTENER_CONNECTIONS},
+            "metrics": {
+                "max_connections": OTHER_LISTENER_CONNECTIONS,
+                "connections_per_source": METRICS_CONNECTIONS_PER_SOURCE,
+            },
         }
         for name, app, port in (
             ("intake", self.intake.app(), s.listen_port),

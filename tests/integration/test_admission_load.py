@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import re
 import secrets
 import ssl
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from sdc_operator.attestation import MARKER_LABEL
 from sdc_operator.handlers import (
     ADMISSION_CONNECTIONS_PER_SOURCE,
     ADMISSION_RESERVED,
+    METRICS_CONNECTIONS_PER_SOURCE,
     OTHER_LISTENER_CONNECTIONS,
 )
 from sdc_operator.webhook import (
@@ -63,10 +66,16 @@ def assert_genuine_pods_wired(cluster: Cluster, namespace: str, job: dict[str, A
         assert "HYPERPOD_SDC_OPERATOR_URL" in env, i
 
 
-async def hold_connections(port: int, source: str, tries: int) -> list[asyncio.StreamWriter]:
-    """Up to ``tries`` TLS connections from ``source``, each with one bad review answered
-    (400, kept alive) and then held idle; the connections answered. Fewer than the
-    handshakes one address may have in progress are opened at once."""
+async def hold_connections(
+    port: int,
+    source: str,
+    tries: int,
+    request: bytes = BAD_REVIEW,
+    answer: bytes = b"HTTP/1.1 400",
+) -> list[asyncio.StreamWriter]:
+    """Up to ``tries`` TLS connections from ``source``, each with one ``request`` answered
+    (a bad review, 400, kept alive) and then held idle; the connections answered. Fewer
+    than the handshakes one address may have in progress are opened at once."""
     at_once = asyncio.Semaphore(8)
 
     async def one() -> asyncio.StreamWriter | None:
@@ -75,11 +84,11 @@ async def hold_connections(port: int, source: str, tries: int) -> list[asyncio.S
                 reader, writer = await asyncio.open_connection(
                     "127.0.0.1", port, ssl=UNVERIFIED, local_addr=(source, 0)
                 )
-                writer.write(BAD_REVIEW)
+                writer.write(request)
                 status = await asyncio.wait_for(reader.readline(), 20)
             except (ConnectionError, ssl.SSLError, OSError, asyncio.IncompleteReadError):
                 return None  # reset as it was accepted
-            assert status.startswith(b"HTTP/1.1 400"), status
+            assert status.startswith(answer), status
             return writer
 
     found = await asyncio.gather(*(one() for _ in range(tries)))
@@ -117,6 +126,42 @@ def test_idle_connections_from_other_addresses_leave_room_for_the_api_server(
     print(f"held: {from_one} from one address, {from_others} from 7 others")
     assert from_one == ADMISSION_CONNECTIONS_PER_SOURCE
     assert from_one + from_others == OTHER_LISTENER_CONNECTIONS - ADMISSION_RESERVED
+    log = s.op.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+# timing: a connection's handshake and first answer within 20 s (milliseconds unloaded)
+@pytest.mark.timing
+def test_one_address_cannot_hold_the_metrics_listener(
+    cluster: Cluster, namespace: str, setup: Callable[..., Setup]
+) -> None:
+    """One address may hold 64 of the metrics listener's 512 connections; the probes from
+    another still get their answer. Before: one address could hold all 512, and the
+    kubelet's liveness probe, refused, would have the operator restarted."""
+    s = setup()
+    port = s.op.metrics_port
+    probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def attack() -> tuple[int, int]:
+        one = await hold_connections(
+            port, "127.0.0.2", METRICS_CONNECTIONS_PER_SOURCE + 32, probe, b"HTTP/1.1 200"
+        )
+        try:
+            other = await hold_connections(port, "127.0.0.3", 8, probe, b"HTTP/1.1 200")
+            for writer in other:
+                writer.close()
+        finally:
+            for writer in one:
+                writer.close()
+        return len(one), len(other)
+
+    from_one, from_other = asyncio.run(attack())
+    # asyncio leaves the socket of a TLS connection reset before its handshake to the
+    # garbage collector; collected here, its ResourceWarning is not the test's failure.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+    assert (from_one, from_other) == (METRICS_CONNECTIONS_PER_SOURCE, 8)
     log = s.op.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
