@@ -23,8 +23,8 @@ from sdc_harness.cluster import ROOT
 
 __all__ = ["COMMIT", "Release", "THIS", "extract"]
 
-COMMIT = "dd99bea"
-"""The last commit before protocol version 2 (3658b85): the previous release."""
+COMMIT = "dd99bea74a5bafc3edc24c65f68f07b17e56cd24"
+"""The last commit before protocol version 2 (3658b85): the previous release (dd99bea)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,11 @@ def extract(into: Path) -> Release | str:
             f"history: {exc} {detail.decode(errors='replace').strip()}"
         )
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
+        # our own history: trusted; the filter exists from Python 3.10.12 and 3.11.4
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
     path = os.pathsep.join(str(into / part) for part in ("operator", "sidecar"))
     # ahead of the editable install's finder, which would give this release's packages
     return Release("previous", {"PYTHONPATH": path})
