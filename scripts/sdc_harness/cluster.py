@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +66,18 @@ def served_here(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if doc.get("kind") == "PodDisruptionBudget":
             doc["apiVersion"] = "policy/v1beta1"
     return docs
+
+
+def controller_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The ownerReference a controller puts on what it makes from ``owner`` (an object as
+    the API server returns it)."""
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
 
 
 def free_port() -> int:
@@ -290,15 +302,7 @@ class Cluster:
         signed with this cluster's test key."""
         meta: dict[str, Any] = {"name": name, "annotations": dict(annotations or {})}
         if owner is not None:
-            meta["ownerReferences"] = [
-                {
-                    "apiVersion": owner["apiVersion"],
-                    "kind": owner["kind"],
-                    "name": owner["metadata"]["name"],
-                    "uid": owner["metadata"]["uid"],
-                    "controller": True,
-                }
-            ]
+            meta["ownerReferences"] = [controller_reference(owner)]
             if attested:
                 # What the training operator puts on its pods, which selects them for the
                 # admission webhook; then what the webhook writes.

@@ -26,7 +26,14 @@ import pytest
 from kubernetes import client
 
 from sdc_agent.protocol import HeartbeatReport, ReporterIdentity, encode_report
-from sdc_harness.cluster import Cluster, OperatorProcess, post, post_split, wait_for
+from sdc_harness.cluster import (
+    Cluster,
+    OperatorProcess,
+    controller_reference,
+    post,
+    post_split,
+    wait_for,
+)
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.handlers import ADMISSION_CONNECTIONS_PER_SOURCE
 from sdc_operator.webhook import ADMISSION_PATH
@@ -66,15 +73,7 @@ def forged_review(namespace: str, name: str, job: dict[str, Any], creator: str) 
                         "name": name,
                         "namespace": namespace,
                         "labels": dict(KUBEFLOW),
-                        "ownerReferences": [
-                            {
-                                "apiVersion": job["apiVersion"],
-                                "kind": job["kind"],
-                                "name": job["metadata"]["name"],
-                                "uid": job["metadata"]["uid"],
-                                "controller": True,
-                            }
-                        ],
+                        "ownerReferences": [controller_reference(job)],
                     },
                     "spec": {"containers": [{"name": "pytorch", "image": "example.com/x:1"}]},
                 },

@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
+from sdc_harness.cluster import (
+    ROOT,
+    Cluster,
+    OperatorProcess,
+    controller_reference,
+    served_here,
+    wait_for,
+)
 from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from sdc_operator.injection import INJECTION_ANNOTATION
@@ -173,15 +180,7 @@ def create_pod(
     if annotations:
         meta["annotations"] = annotations
     if owner is not None:
-        meta["ownerReferences"] = [
-            {
-                "apiVersion": owner["apiVersion"],
-                "kind": owner["kind"],
-                "name": owner["metadata"]["name"],
-                "uid": owner["metadata"]["uid"],
-                "controller": True,
-            }
-        ]
+        meta["ownerReferences"] = [controller_reference(owner)]
     container: dict[str, Any] = {"name": "pytorch", "image": "example.com/train:1"}
     if env:
         container["env"] = env
