@@ -15,10 +15,17 @@ done yet when it reports its identity. This module answers from what needs no CU
 - ``CUDA_DEVICE_ORDER``: only ``PCI_BUS_ID`` makes CUDA's numbering the PCI bus order;
   the default ``FASTEST_FIRST`` leaves the order of equal devices unspecified.
 
+- the device files ``/dev/nvidia0``, ``/dev/nvidia1``, ...: CUDA numbers the GPUs it can
+  open, so a number is told from the listing only where the listing (narrowed as above)
+  counts as many GPUs as there are device files. They differ in a privileged pod (every
+  device file, the device plugin's GPUs in ``NVIDIA_VISIBLE_DEVICES``) and where a runtime
+  (CDI) leaves the host's whole listing in ``/proc`` but mounts only the container's devices.
+
 It answers only where that is certain and ``None`` otherwise (the operator then matches
 by local rank, as before): a ``GPU-`` entry of ``CUDA_VISIBLE_DEVICES``; a device number
-under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; or a process that sees exactly one GPU. A MIG
-instance (``MIG-`` entries) is not a whole GPU and gets ``None``.
+under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; or a process that sees exactly one GPU; the last
+two only where the listing and the device files agree. A MIG instance (``MIG-`` entries)
+is not a whole GPU and gets ``None``.
 """
 
 from __future__ import annotations
@@ -29,11 +36,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DRIVER_GPUS", "DriverGpu", "driver_gpus", "uuid_of_device"]
+__all__ = [
+    "DEVICE_FILES",
+    "DRIVER_GPUS",
+    "DriverGpu",
+    "device_files",
+    "driver_gpus",
+    "uuid_of_device",
+]
 
 DRIVER_GPUS = "/proc/driver/nvidia/gpus"
 """Where the NVIDIA driver lists its GPUs, one directory per PCI bus location."""
+DEVICE_FILES = "/dev"
+"""Where the GPUs' device files (``nvidia0``, ``nvidia1``, ...) are."""
 _UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+_DEVICE_FILE = re.compile(r"^nvidia[0-9]+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,19 @@ def driver_gpus(root: str | os.PathLike[str] | None = None) -> list[DriverGpu]:
     return sorted(found, key=lambda g: g.bus)
 
 
+def device_files(root: str | os.PathLike[str] | None = None) -> int | None:
+    """How many GPU device files (``nvidia<N>``) ``root`` (default :data:`DEVICE_FILES`)
+    holds; ``None`` where it cannot be read."""
+    try:
+        return sum(
+            1
+            for p in Path(DEVICE_FILES if root is None else root).iterdir()
+            if _DEVICE_FILE.match(p.name)
+        )
+    except OSError:
+        return None
+
+
 def _visible_to_container(
     gpus: Sequence[DriverGpu], environ: Mapping[str, str]
 ) -> list[DriverGpu] | None:
@@ -90,13 +120,17 @@ def uuid_of_device(
     ordinal: int,
     environ: Mapping[str, str] | None = None,
     gpus: Sequence[DriverGpu] | None = None,
+    devices: int | None = None,
 ) -> str | None:
     """The UUID of CUDA device ``ordinal`` as this process numbers it, or ``None`` where
     that cannot be told for certain without initializing CUDA (see the module's
     docstring). ``environ``: default ``os.environ``; ``gpus``: default
-    :func:`driver_gpus`."""
+    :func:`driver_gpus`; ``devices``: how many device files the process has, default
+    :func:`device_files` where ``gpus`` is the default too (not compared otherwise)."""
     environ = os.environ if environ is None else environ
     listed = driver_gpus() if gpus is None else list(gpus)
+    if devices is None and gpus is None:
+        devices = device_files()
     seen = _visible_to_container(listed, environ)
     if ordinal < 0 or seen is None:
         return None
@@ -116,6 +150,8 @@ def uuid_of_device(
         if not entry.isdigit():
             return None  # MIG-..., or not a device: CUDA's to make sense of
         ordinal = int(entry)
+    if devices is not None and devices != len(seen):
+        return None  # CUDA numbers other GPUs than the listing shows (privileged, CDI)
     if len(seen) == 1:
         return seen[0].uuid if ordinal == 0 else None
     if environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" and ordinal < len(seen):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_agent import gpu_identity, topology
-from sdc_agent.gpu_identity import driver_gpus, uuid_of_device
+from sdc_agent.gpu_identity import device_files, driver_gpus, uuid_of_device
 
 UUIDS = [f"GPU-{i}1234567-89ab-cdef-0123-456789abcdef" for i in range(4)]
 BUSES = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"]
@@ -97,6 +97,37 @@ def test_the_device_plugins_list_narrows_a_listing_that_shows_the_whole_node(
     assert uuid_of_device(0, {"NVIDIA_VISIBLE_DEVICES": "all"}, gpus) is None  # four: order
 
 
+def device_dir(root: Path, count: int) -> Path:
+    """A stand-in of ``/dev`` with ``count`` GPU device files beside the driver's others."""
+    root.mkdir(parents=True)
+    for name in [*(f"nvidia{i}" for i in range(count)), "nvidiactl", "nvidia-uvm", "null"]:
+        (root / name).touch()
+    return root
+
+
+def test_a_number_is_told_only_where_the_device_files_agree_with_the_listing(
+    tmp_path: Path,
+) -> None:
+    """CUDA numbers the GPUs whose device files the process has. A privileged pod has every
+    device file while ``NVIDIA_VISIBLE_DEVICES`` names the device plugin's GPUs; a CDI
+    runtime can leave the host's whole listing in ``/proc`` with only the container's
+    device files. Either way the listing's order is not CUDA's, so no number is named;
+    a UUID in ``CUDA_VISIBLE_DEVICES`` still is."""
+    assert device_files(device_dir(tmp_path / "dev", 4)) == 4
+    assert device_files(tmp_path / "absent") is None
+    gpus = driver_gpus(listing(tmp_path / "gpus"))
+    pci = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    privileged = {**pci, "NVIDIA_VISIBLE_DEVICES": f"{UUIDS[3]},{UUIDS[1]}"}
+    assert uuid_of_device(1, privileged, gpus, devices=2) == UUIDS[3]  # what the runtime mounts
+    assert uuid_of_device(1, privileged, gpus, devices=4) is None  # privileged: CUDA sees 4
+    one = {"NVIDIA_VISIBLE_DEVICES": UUIDS[2]}
+    assert uuid_of_device(0, one, gpus, devices=1) == UUIDS[2]
+    assert uuid_of_device(0, one, gpus, devices=4) is None
+    assert uuid_of_device(1, pci, gpus, devices=2) is None  # CDI: the host's whole listing
+    assert uuid_of_device(1, pci, gpus, devices=4) == UUIDS[1]
+    assert uuid_of_device(0, {"CUDA_VISIBLE_DEVICES": UUIDS[3]}, gpus, devices=1) == UUIDS[3]
+
+
 def test_a_rank_reports_its_models_gpu_not_the_current_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,6 +137,7 @@ def test_a_rank_reports_its_models_gpu_not_the_current_device(
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: the gpu test compares with torch's own answer")
     monkeypatch.setattr(gpu_identity, "DRIVER_GPUS", str(listing(tmp_path / "gpus")))
+    monkeypatch.setattr(gpu_identity, "DEVICE_FILES", str(device_dir(tmp_path / "dev", 4)))
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
