@@ -423,6 +423,7 @@ class IncidentEngine:
         """The job's agents restarted from ``report.step``: mark each incident that was
         waiting for it. Returns the incidents marked."""
         marked = []
+        losses: list[dict[str, Any]] = []
         for candidate in self.caches.incidents_of(job.uid):
             key = (job.namespace, candidate["metadata"]["name"])
             changed: list[dict[str, Any]] = []
@@ -444,11 +445,7 @@ class IncidentEngine:
             marked.append(key[1])
             lost = changed[0].get("lostWork")
             if isinstance(lost, dict):
-                # Counted once the agents said where they resumed: the work actually lost
-                # (the resume's own estimate is corrected by then, as lostWork is).
-                self.metrics.lost_steps.observe(lost["steps"])
-                if "gpuHours" in lost:
-                    self.metrics.lost_gpu_hours.inc(lost["gpuHours"])
+                losses.append(lost)
             condition = next(c for c in changed[0]["conditions"] if c["type"] == "Resumed")
             await self.recorded.emit(
                 written,
@@ -456,6 +453,15 @@ class IncidentEngine:
                 condition["message"],
                 condition["status"] != "True",
             )
+        if losses:
+            # Counted once the agents said where they resumed: the work actually lost (the
+            # resume's own estimate is corrected by then, as lostWork is). Incidents this
+            # restart resumed together lost the same steps, up to the latest detection:
+            # once, not once each.
+            lost = max(losses, key=lambda entry: entry["steps"])
+            self.metrics.lost_steps.observe(lost["steps"])
+            if "gpuHours" in lost:
+                self.metrics.lost_gpu_hours.inc(lost["gpuHours"])
         return marked
 
     # -- containment (the leader) --------------------------------------------------------------

@@ -209,7 +209,8 @@ class Metrics:
         self.lost_steps = Histogram(
             "hyperpod_sdc_lost_steps",
             "Training steps an incident threw away: its detection step minus the step the job "
-            "was resumed from, counted when the job's agents report that step.",
+            "was resumed from, counted when the job's agents report that step (once per restart: "
+            "incidents one restart resumes together count the latest detection's).",
             buckets=(0, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000),
             registry=r,
         )

@@ -428,3 +428,36 @@ def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
     assert second.sample("hyperpod_sdc_lost_steps_count") == 2
     assert second.sample("hyperpod_sdc_lost_steps_sum") == 10
     assert second.sample("hyperpod_sdc_lost_gpu_hours_total") == pytest.approx(5 * 0.5 * 6 / 3600)
+
+
+def test_one_resume_of_two_incidents_counts_the_jobs_lost_work_once(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """The job caught twice before its suspension lands (steps 15 and 25): one restart from
+    step 10 resumes both incidents, and the job lost steps 10 to 25 once: 15 steps, one
+    observation, not 5 + 15 in two."""
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    checkpoint(cluster, op, job, 10)
+    for step in (15, 25):
+        for reporter in (0, 2):
+            report = verdict(job, reporter, step=step)
+            assert send(cluster, op, job, reporter, report)[0] == 202
+
+    def both_waiting() -> list[dict[str, Any]] | None:
+        found = [
+            i
+            for i in cluster.incidents(namespace)
+            if any(
+                c["type"] == "Resumed" and c["status"] == "Unknown"
+                for c in (i.get("status") or {}).get("conditions") or []
+            )
+        ]
+        return found if len(found) == 2 else None
+
+    waiting_ = wait_for("both incidents waiting for the resume", both_waiting)
+    assert sorted(i["status"]["lostWork"]["steps"] for i in waiting_) == [5, 15]
+    answer = resumed(cluster, op, job, 0, 10)
+    assert sorted(answer["incidents"]) == sorted(i["metadata"]["name"] for i in waiting_)
+    assert op.sample("hyperpod_sdc_lost_steps_count") == 1
+    assert op.sample("hyperpod_sdc_lost_steps_sum") == 15
