@@ -4,8 +4,10 @@ The Guard keeps the phases of a step (idle, backward, decided) and the gate that
 bad step back (:mod:`sdc_agent.gate`); everything else is delegated: the layout
 (:mod:`sdc_agent.layout`: where gradients, replicas and collectives are, DDP here), the
 check units (:mod:`sdc_agent.checks`: check 1 :mod:`~sdc_agent.check_nonfinite`, check 2
-:mod:`~sdc_agent.check_replay`, check 3 :mod:`~sdc_agent.check_weights`), the reports
-(:mod:`sdc_agent.reporting`) and the evidence bundles (:mod:`sdc_agent.bundling`).
+:mod:`~sdc_agent.check_replay`, check 3 :mod:`~sdc_agent.check_weights`), when the host
+reads check 1's flags (:mod:`sdc_agent.flag_reading`), the reports
+(:mod:`sdc_agent.reporting`), the evidence bundles (:mod:`sdc_agent.bundling`) and the
+verified snapshot (:mod:`sdc_agent.snapshotting`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -23,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .audit import ReplayStats
-from .check_nonfinite import LateMicroBatch
 from .check_replay import ReplayCheck
 from .check_set import build_checks
 from .check_weights import WeightCheck
@@ -32,10 +32,10 @@ from .checks import StepState
 from .clean_steps import CleanSteps
 from .config import GuardConfig
 from .errors import ConfigError, SDCError
+from .flag_reading import FlagReading
 from .gate import StepGate
 from .layout import DDPLayout, GradientBucket, ParallelLayout
 from .layout_fsdp import FSDPLayout, is_fsdp
-from .nonfinite import HostFlags
 from .replay import map_tensors
 from .reporter import Reporter
 from .reporting import GuardReporting
@@ -163,21 +163,29 @@ class Guard:
         self.reports = self._reporting.reports
         self.reporter = self._reporting.reporter
         self._stop_when_unreachable = self._reporting.stop_when_unreachable
-        layout.flags_wanted = self._flags_wanted
+        layout.flags_wanted = flags_wanted = (
+            self.config.nonfinite_check or self._stop_when_unreachable
+        )
 
         self.step_count = start_step
         """Steps begun so far; the current step while one is running."""
         # A resumed job (start_step, restore): the next step first settles the layout.
         self._settle_buckets = start_step > 0
         self._state = StepState(step=start_step, last_clean_step=start_step)
-        self._flags_read = False
-        # On CUDA a fused optimizer holds a bad step back on the device: the host reads the
-        # step's flags during the next step's checks, behind work already queued, and
-        # never waits for them in the step itself (see _judge_late).
-        self._defer_flags = self._gate.device_skip and self.device.type == "cuda"
-        self._late: _LateFlags | None = None
         self._weight_check.overlap = self.device.type == "cuda"
         self._clean = CleanSteps((u.name for u in self._units if u.vouches), start_step)
+        # On CUDA a fused optimizer holds a bad step back on the device: the host reads the
+        # step's flags during the next step's checks, behind work already queued.
+        self._flags = FlagReading(
+            layout=layout,
+            check=self._nonfinite,
+            audit=self._audit,
+            reporting=self._reporting,
+            clean=self._clean,
+            wanted=flags_wanted,
+            defer=self._gate.device_skip and self.device.type == "cuda",
+            stop=self._stop,
+        )
         self._snapshots = SnapshotKeeper(
             config=self.config,
             layout=layout,
@@ -317,7 +325,7 @@ class Guard:
         halt = self._reporting.verdict_overdue()
         self._layout.flags.reset(halt=halt and self._stop_when_unreachable)
         self._state = state = StepState(step=self.step_count, last_clean_step=self.last_clean_step)
-        self._flags_read = False
+        self._flags.begin()
         for unit in self._units:
             unit.begin(state)
         return self.step_count
@@ -374,16 +382,9 @@ class Guard:
         if self._phase == DECIDED:
             raise SDCError("before_optimizer_step called twice in one step")
         state = self._state
-        flags = self._layout.flags
         started = time.perf_counter()
-        self._judge_late(collective=True)  # the previous step's flags, read late
-        if self._flags_wanted and not flags.sent:
-            flags.send(self.group)  # no bucket went through the hook (no_sync?)
-        skip = flags.skip_tensor() if self._flags_wanted else None
-        # The host reads the flags now unless the optimizer skips on the device and the
-        # device is a GPU (then during the next step's checks, see _judge_late).
-        if self._flags_wanted and (not self._defer_flags or self._audit.due):
-            self._read_flags()
+        self._flags.judge_late(collective=True, current=state)  # the previous step's
+        skip = self._flags.decide(state, self.group)
         self._seconds["nonfinite"] += time.perf_counter() - started
         for unit in self._units:
             unit.before_step(state)
@@ -404,61 +405,20 @@ class Guard:
         with contextlib.suppress(RuntimeError):
             self.scaler.unscale_(self.optimizer)
 
-    def _read_flags(self) -> None:
-        self._flags_read = True
-        host = self._layout.flags.to_host()
-        before, halt = host.read()
-        if halt:
-            self._phase = IDLE
-            raise self._reporting.unreachable()
-        self._nonfinite.judge(self._state, before, after=host.after())
-
-    def _flags_on_their_way(self) -> None:
-        """The step's flags go to host memory without the host waiting for them; the next
-        step's checks judge them (the step itself is held back on the device)."""
-        self._flags_read = True
-        self._late = _LateFlags(
-            state=self._state,
-            flags=self._layout.flags.to_host(),
-            micro_batch=LateMicroBatch(self._audit.payload, self._audit.micro_batches),
-        )
-
-    def _judge_late(self, *, collective: bool) -> None:
-        """Judge the flags of a step read late (a fused optimizer on CUDA): clean, the
-        step counts toward ``last_clean_step`` now; not, its verdicts are logged, reported
-        and shown in the current step's result. ``collective``: every rank calls it at
-        the same point (the next step's checks), so a rank alone non-finite is replayed
-        on another node; otherwise (``close``) it is judged without the replay. A halt
-        flag stops training here, before the current step is applied."""
-        late = self._late
-        if late is None:
-            return
-        self._late = None
-        before, halt = late.flags.read()
-        if halt and collective:
-            self._phase = IDLE
-            raise self._reporting.unreachable()
-        known = len(late.state.verdicts)
-        micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
-        self._nonfinite.judge(late.state, before, micro_batch, late.flags.after())
-        found = late.state.verdicts[known:]
-        self._resolved(late.state.step, "flags", passed=not found)
-        if not found:
-            return
-        if self._phase != IDLE:
-            late.state.verdicts[known:] = []
-            self._state.late_verdicts.extend(found)  # logged and reported with this step's
-            return
-        found = [self._layout.locate(v) for v in found]
-        self._reporting.log_verdicts(late.state.step, found)
-        self._reporting.report_verdicts(found)
-
     def _resolved(self, step: int, what: str, *, passed: bool) -> None:
         self._clean.resolved(step, what, passed=passed)
 
     @property
-    def _flags_wanted(self) -> bool:
-        return self.config.nonfinite_check or self._stop_when_unreachable
+    def _defer_flags(self) -> bool:
+        return self._flags.defer
+
+    @_defer_flags.setter
+    def _defer_flags(self, defer: bool) -> None:
+        self._flags.defer = defer  # what tests emulate CUDA with (test_host_sync)
+
+    def _stop(self) -> BaseException:
+        self._phase = IDLE  # a halt flag: training stops before this step is applied
+        return self._reporting.unreachable()
 
     def _loss_scale(self) -> float | None:
         return None if self.scaler is None else float(self.scaler.get_scale())
@@ -474,8 +434,7 @@ class Guard:
                 if self._phase == STEP
                 else "after_optimizer_step called outside a step"
             )
-        if self._flags_wanted and not self._flags_read:
-            self._flags_on_their_way()  # the optimizer step is already queued on the device
+        self._flags.after_step(self._state)  # the optimizer step is queued on the device
         applied = self._gate.applied if self._gate.stepped else False
         if loss is None:
             loss = self._audit.own_loss
@@ -501,7 +460,7 @@ class Guard:
                 for u in self._units
                 if u.vouches and (u.vouched(state) or u.name in waiting)
             }
-            if self._late is not None and self._late.state is state:
+            if self._flags.pending(state):
                 waiting.add("flags")
             self._clean.step_ended(step, vouched, waiting)
         for v in state.late_verdicts:
@@ -542,8 +501,7 @@ class Guard:
         loop ran the optimizer step (the Guard also sees it through the optimizer)."""
         if self._phase != DECIDED:
             raise SDCError("finish_step called outside a step: call begin_step first")
-        if self._flags_wanted and not self._flags_read:
-            self._flags_on_their_way()
+        self._flags.after_step(self._state)
         seen = self._gate.applied if self._gate.stepped else False
         return self._finish(seen if applied else False, loss)
 
@@ -557,7 +515,7 @@ class Guard:
         """
         if self._phase != IDLE:
             raise SDCError("restore called during a step")
-        self._late = None  # the checkpoint replaces whatever that step did
+        self._flags.forget()  # the checkpoint replaces whatever that step did
         self.step_count = step
         for unit in self._units:
             unit.restored(step)
@@ -590,10 +548,7 @@ class Guard:
     def _settle_locally(self) -> None:
         """Count a step whose late flags or overlapped check-3 exchange came back clean
         (waiting for them here; no collective: anything else waits for the next step)."""
-        late = self._late
-        if late is not None and late.flags.clean():
-            self._late = None
-            self._resolved(late.state.step, "flags", passed=True)
+        self._flags.settle_locally()
         self._weight_check.agree_pending()
         settled = self._weight_check.settled()
         if settled is not None:
@@ -605,7 +560,7 @@ class Guard:
         stays with DDP). An evidence bundle still being written is finished first (up to
         ``timeout`` seconds too)."""
         if self._phase == IDLE:
-            self._judge_late(collective=False)
+            self._flags.judge_late(collective=False, current=None)
             found = self._weight_check.finish_pending()  # a collective on a mismatch
             settled = self._weight_check.settled()
             if settled is not None:
@@ -657,12 +612,3 @@ def _layout_of(model: nn.Module, config: GuardConfig) -> ParallelLayout:
     if is_fsdp(model):
         return FSDPLayout(model, config)
     return DDPLayout(model, config)
-
-
-@dataclass(slots=True)
-class _LateFlags:
-    """A step whose flags are on their way to the host (see :meth:`Guard._judge_late`)."""
-
-    state: StepState
-    flags: HostFlags
-    micro_batch: LateMicroBatch
