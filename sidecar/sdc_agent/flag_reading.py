@@ -55,6 +55,7 @@ class FlagReading:
         wanted: bool,
         defer: bool,
         stop: Callable[[], BaseException],
+        run_id: str,
     ) -> None:
         self._layout = layout
         self._check = check
@@ -67,6 +68,7 @@ class FlagReading:
         """The optimizer skips on a GPU: the host reads a step's flags during the next
         step's checks, never waiting for them in the step itself."""
         self._stop = stop
+        layout.flags.scope = run_id  # the store's keys where ranks agree to gather
         self._read = False
         self._late: _LateFlags | None = None
 
@@ -90,7 +92,7 @@ class FlagReading:
             before, halt = host.read()
             if halt:
                 raise self._stop()
-            self._check.judge(state, before, after=host.after())
+            self._check.judge(state, before, after=host.after(), disagreed=host.disagreed)
         return skip
 
     def after_step(self, state: StepState) -> None:
@@ -139,7 +141,9 @@ class FlagReading:
             raise self._stop()
         known = len(late.state.verdicts)
         micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
-        self._check.judge(late.state, before, micro_batch, late.flags.after())
+        self._check.judge(
+            late.state, before, micro_batch, late.flags.after(), disagreed=late.flags.disagreed
+        )
         found = late.state.verdicts[known:]
         self._clean.resolved(late.state.step, "flags", passed=not found)
         if not found:

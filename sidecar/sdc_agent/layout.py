@@ -270,9 +270,11 @@ class DDPLayout(ParallelLayout):
         # size), fused with check 1's look at every element: one pass over the bucket.
         self.flags.scale_and_check(buffer, self.config.nonfinite_check)
         # The step's flags ride in its last bucket (StepFlags.mark): no collective of their
-        # own. A bucket that cannot carry them (not floating point) sends them behind it.
+        # own. A bucket that cannot carry them (not floating point) sends them behind it,
+        # as does a job with check 1 off that has only the halt flag: there a training NaN
+        # in the bucket's first element would read as a flag that no check judges.
         last = bucket.is_last() and self.flags_wanted
-        marked = last and self.flags.mark(buffer, self.group)
+        marked = last and self.config.nonfinite_check and self.flags.mark(buffer, self.group)
         fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
         if last and not marked:
             self.flags.send(self.group)
