@@ -32,17 +32,24 @@ Everything shares this machine's cores: the API server, etcd, the operator and t
 certificate, the chart's operator settings (values.yaml: rate limits, connection limits,
 lease, resync), each agent from its own loopback address (127.1.x.y), the chart's memory
 limit (a cgroup v1 limit where the machine allows one), and each storm (elected reporters,
-every node) released together with every node's heartbeat. It prints how much CPU the
-load generator (this process) used, the lease's fate, and where it departs from the chart:
+every node) released together with every node's heartbeat. The agents are real Reporters,
+spread over ``--generator-processes`` processes (bench/generator.py), their connections
+opened before the storms. It prints how much CPU the load generator used beside the
+operator's, the lease's fate, and where it departs from the chart:
 
-    flock /tmp/hyperpod-cpu.lock .venv/bin/python bench/operator_scale.py --production \
+    flock /tmp/cpu.lock .venv/bin/python bench/operator_scale.py --production \
         --nodes 512 1024 2048
+    flock /tmp/cpu.lock .venv/bin/python bench/operator_scale.py --production --nodes 1024 \
+        --replicas 2 [--replica-down]
+    flock /tmp/cpu.lock .venv/bin/python bench/operator_scale.py --production --nodes 2048 \
+        --profile /tmp/op.prof    # then: python -m pstats /tmp/op.prof
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,7 +63,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # sdc_harness
 
 from tests.integration import storm  # noqa: E402
 
-from sdc_harness.cluster import Cluster, OperatorProcess  # noqa: E402
+from sdc_harness.cluster import Cluster, OperatorProcess, wait_for  # noqa: E402
 
 SETTINGS = {
     # every simulated agent sends from 127.0.0.1: the per-address limit is for attackers
@@ -194,8 +201,12 @@ DEPARTURES = [
     "HYPERPOD_SDC_NAMESPACES is the job's namespace (the chart watches every namespace)",
     "the agents' heartbeat jitter is 0 (the default is 10 s): every heartbeat of the job "
     "arrives together with the verdicts, the worst case",
-    "every agent is a Reporter thread in this one process (the generator), on the same two "
-    "cores as the operator, the API server and etcd",
+    "the agents (the generator: one real Reporter thread per node) run in "
+    "--generator-processes processes on the same cores as the operator, the API server and "
+    "etcd; their CPU is printed beside the operator's (generator_cpu_s)",
+    "every agent's kept connection is opened (TLS handshake, token review) by a paced warm-up "
+    "heartbeat before the storms, as the agent keeps it in production: the storms are requests "
+    "on warm connections, not a storm of handshakes",
     "the operator's memory limit is a cgroup v1 limit on its growth after start-up where "
     "the machine allows one, else peak RSS from /proc compared with the chart's limit",
 ]
@@ -220,13 +231,23 @@ def chart_settings() -> dict[str, str]:
     return out
 
 
-def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
+def production(
+    nodes: int,
+    tmp: Path,
+    replicas: int = 1,
+    processes: int = 8,
+    profile: Path | None = None,
+    down: bool = False,
+) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
-    one connection; storms of the elected reporters and of every node, each released
-    together with every node's heartbeat (a node's Reporter sends its verdict first)."""
-    import resource
-
+    one connection (opened before the storms, as in production), spread over ``processes``
+    generator processes; storms of the elected reporters and of every node, each released
+    together with every node's heartbeat (a node's Reporter sends its verdict first).
+    ``profile``: the (first) operator runs under cProfile, its statistics written there.
+    ``down``: with two replicas, the leader is stopped before the warm-up (a rollout with
+    one replica down): every agent reports to the survivor, as through the Service."""
+    from bench.generator import Generator
     from sdc_harness.tls import issue
 
     directory = tmp / f"tls-{nodes}"
@@ -255,26 +276,43 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
         if int(settings.get("max_connections", 0)) < nodes + 512:
             settings["max_connections"] = str(nodes + 512)
             notes.append(f"max_connections {settings['max_connections']} (one per node + 512)")
-        ops = [
-            OperatorProcess(
-                cluster,
-                namespace,
-                tmp / f"op-{nodes}-{r}.log",
-                scheme="https",
-                tls_cert_file=str(cert),
-                tls_key_file=str(key),
-                **settings,
+        ops = []
+        for r in range(replicas):
+            extra = {}
+            module = "sdc_operator"
+            if profile is not None and r == 0:
+                extra = {"SDC_BENCH_PROFILE": str(profile)}
+                module = "bench.profiled_operator"
+            ops.append(
+                OperatorProcess(
+                    cluster,
+                    namespace,
+                    tmp / f"op-{nodes}-{r}.log",
+                    scheme="https",
+                    tls_cert_file=str(cert),
+                    tls_key_file=str(key),
+                    extra_env=extra,
+                    module=module,
+                    **settings,
+                )
             )
-            for r in range(replicas)
-        ]
         groups = [_memory_cgroup(op.proc.pid) for op in ops]
+        alive = list(ops)
+        if down and replicas > 1:
+            # the replica holding the Lease goes (the worse case): SIGTERM, as a rollout
+            # deletes its pod; the Service sends every agent to the survivor
+            wait_for("a leader", lambda: any("is the leader" in op.log() for op in ops), 60)
+            leader = next(op for op in ops if "is the leader" in op.log())
+            leader.stop()
+            alive = [op for op in ops if op is not leader]
         # the Service splits the agents' connections between the replicas
-        urls = [ops[i % replicas].url for i in range(nodes)]
-        agents = storm.agents(urls, tokens, tmp / f"tokens-{nodes}", ca_cert, sources)
+        urls = [alive[i % len(alive)].url for i in range(nodes)]
+        generator = Generator(urls, tokens, tmp / f"tokens-{nodes}", ca_cert, sources, processes)
         try:
             result: dict[str, Any] = {
                 "nodes": nodes,
                 "replicas": replicas,
+                "generator_processes": generator.processes,
                 "setup_s": round(setup_s, 1),
                 "settings_raised": notes,
             }
@@ -286,26 +324,33 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
                 if groups[0]
                 else "no cgroup: peak RSS checked"
             )
-            beats = storm.heartbeat_reports(job)
-            senders, _ = storm.release(agents, list(enumerate(beats)))
-            result["heartbeats_cold"] = storm.summary(senders)
+            warm = generator.warm(list(enumerate(storm.heartbeat_reports(job))))
+            result["warm_up"] = {
+                **{k: v for k, v in warm.items() if k != "senders"},
+                "heartbeats": storm.summary(warm["senders"]),
+                "note": "every agent's kept connection opened (TLS handshake, token review) "
+                "with a heartbeat before the storms, as the agent keeps it in production: "
+                "the storms below are requests on warm connections",
+            }
+            if len(alive) < len(ops):
+                result["replica_down"] = (
+                    "the leader was stopped (SIGTERM) before the warm-up; every agent "
+                    "reports to the survivor"
+                )
             time.sleep(6)  # the operator's quiet after the burst
             for label, reporters, suspect, step in (
                 ("elected_with_heartbeats", storm.elected(nodes, nodes // 3), nodes // 3, 115),
                 ("every_node_with_heartbeats", list(range(nodes)), (2 * nodes) // 3, 215),
             ):
                 watcher = storm.Contained(cluster, namespace, step)
-                cpu = [storm.cpu_seconds(op.proc.pid) for op in ops]
-                own = resource.getrusage(resource.RUSAGE_SELF)
-                opened = sum(a.connections_opened for a in agents)
+                cpu = [storm.cpu_seconds(op.proc.pid) for op in alive]
                 reports: list[tuple[int, Any]] = [
                     (i, storm.verdict(job, i, suspect, step=step, last_clean=step - 5))
                     for i in reporters
                 ] + list(enumerate(storm.heartbeat_reports(job)))
-                wall = time.time()
-                senders, released = storm.release(agents, reports)
+                senders, released, spent = generator.release(reports)
+                wall = time.time() - (time.monotonic() - released)
                 contained = watcher.wait(120)
-                mine = resource.getrusage(resource.RUSAGE_SELF)
                 answered = [
                     x
                     for x in senders
@@ -317,6 +362,10 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
                 logged = [_logged_at(op.log(), namespace, name) for op in ops]
                 agreed = [t[0] for t in logged if t]
                 done = [t[1] for t in logged if len(t) > 1]
+                operator_cpu = [
+                    round(storm.cpu_seconds(op.proc.pid) - c, 2)
+                    for op, c in zip(alive, cpu, strict=True)
+                ]
                 got = {
                     "contained_s": round(contained - released, 3) if contained else None,
                     "agreed_in_operator_log_s": round(min(agreed) - wall, 3) if agreed else None,
@@ -324,30 +373,29 @@ def production(nodes: int, tmp: Path, replicas: int = 1) -> dict[str, Any]:
                     "verdicts": storm.summary(senders[: len(reporters)]),
                     "heartbeats": storm.summary(senders[len(reporters) :]),
                     "first_attempts_answered_within_5_s": round(len(answered) / len(senders), 4),
-                    "connections_opened": sum(a.connections_opened for a in agents) - opened,
-                    "operator_cpu_s": [
-                        round(storm.cpu_seconds(op.proc.pid) - c, 2)
-                        for op, c in zip(ops, cpu, strict=True)
-                    ],
-                    "generator_cpu_s": round(
-                        mine.ru_utime + mine.ru_stime - own.ru_utime - own.ru_stime, 2
+                    "connections_opened": spent["connections_opened"],
+                    "operator_cpu_s": operator_cpu,
+                    "generator_cpu_s": spent["generator_cpu_s"],
+                    "generator_to_operator_cpu": round(
+                        spent["generator_cpu_s"] / max(0.01, sum(operator_cpu)), 2
                     ),
                     "wall_s": round(time.monotonic() - released, 2),
                 }
                 result[label] = got
                 time.sleep(6)
             result["operator_peak_rss_mb"] = [
-                round(storm.rss_peak_mb(op.proc.pid), 1) for op in ops
+                round(storm.rss_peak_mb(op.proc.pid), 1) for op in alive
             ]
             result["under_chart_limit"] = all(
                 r < CHART_MEMORY_LIMIT_MIB for r in result["operator_peak_rss_mb"]
             )
-            result["operator_alive"] = [op.proc.poll() is None for op in ops]
-            result["lease_lost"] = ["no longer acting" in op.log() for op in ops]
+            result["operator_alive"] = [op.proc.poll() is None for op in alive]
+            result["lease_lost"] = ["no longer acting" in op.log() for op in alive]
             result["leaders"] = [op.log().count("is the leader") for op in ops]
+            result["leader_after_the_storms"] = ["is the leader" in op.log() for op in alive]
+            result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
         finally:
-            for agent in agents:
-                agent.close(timeout=0.1)
+            generator.close()
             for op, group in zip(ops, groups, strict=True):
                 op.stop()
                 if group:
@@ -397,12 +445,40 @@ def main() -> None:
         "agent, heartbeat bursts with the verdicts (what departs from the chart is printed)",
     )
     parser.add_argument("--replicas", type=int, default=1, choices=(1, 2))
+    parser.add_argument(
+        "--replica-down",
+        action="store_true",
+        help="with --replicas 2: the leader is stopped before the storms (a rollout with one "
+        "replica down) and every agent reports to the survivor",
+    )
+    parser.add_argument(
+        "--generator-processes",
+        type=int,
+        default=8,
+        help="processes the agents are spread over (default 8)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="--production: run the (first) operator under cProfile and write its statistics "
+        "to this file, one size only (read it with python -m pstats)",
+    )
     args = parser.parse_args()
     if args.production:
         with tempfile.TemporaryDirectory() as tmp:
             runs = []
             for nodes in args.nodes:
-                runs.append(production(nodes, Path(tmp), args.replicas))
+                runs.append(
+                    production(
+                        nodes,
+                        Path(tmp),
+                        args.replicas,
+                        args.generator_processes,
+                        args.profile,
+                        args.replica_down,
+                    )
+                )
                 print(json.dumps(runs[-1]), file=sys.stderr)
         xs = [float(r["nodes"]) for r in runs]
         fits = {}
@@ -411,7 +487,17 @@ def main() -> None:
             if all(isinstance(y, int | float) for y in ys):
                 fits[f"{label}.contained_s"] = fit(xs, ys)
         fits["operator_peak_rss_mb"] = fit(xs, [max(r["operator_peak_rss_mb"]) for r in runs])
-        print(json.dumps({"departures_from_the_chart": DEPARTURES, "runs": runs, "fits": fits}))
+        print(
+            json.dumps(
+                {
+                    "command": " ".join(["bench/operator_scale.py", *sys.argv[1:]]),
+                    "cpus": os.cpu_count(),
+                    "departures_from_the_chart": DEPARTURES,
+                    "runs": runs,
+                    "fits": fits,
+                }
+            )
+        )
         return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
