@@ -308,6 +308,7 @@ class IncidentEngine:
                         needed=needed,
                         received_at=now_iso(),
                         check=check,
+                        in_place=True,  # _write hands ``fold`` a copy of its own
                     )
                     changed = changed or did
                 if extra:

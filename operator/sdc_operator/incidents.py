@@ -315,12 +315,15 @@ def fold_report(
     needed: int,
     received_at: str,
     check: str | None = None,
+    in_place: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """The status after ``report`` (from ``reporter_pod`` on ``reporter_node``, both
     authenticated) folds in, and whether anything changed. A second report from a node
     already recorded changes nothing (for a ``nondeterministic`` incident: unless it is of a
-    step not counted yet)."""
-    status = _copy_status(status)
+    step not counted yet). ``in_place``: ``status`` is the caller's own copy, changed and
+    returned (a batch of reports folds into one copy, not one copy per report)."""
+    if not in_place:
+        status = _copy_status(status)
     reports = status.setdefault("reports", [])
     changed = False
     if report.classification == "nondeterministic":

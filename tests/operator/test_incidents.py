@@ -99,6 +99,28 @@ def test_one_node_waits_two_agreeing_nodes_detect() -> None:
     )
 
 
+def test_a_batch_folds_into_one_copy_in_place_and_a_single_fold_leaves_its_input() -> None:
+    first = fold({}, "a")
+    kept = copy.deepcopy(first)
+    second = fold(first, "c")
+    assert first == kept and second is not first  # the default: a new status
+    mine = copy.deepcopy(first)
+    for node in ("c", "d"):
+        out, changed = incidents.fold_report(
+            mine,
+            report(node),
+            reporter_pod=f"pod-{node}",
+            reporter_node=node,
+            suspects=suspects(3),
+            needed=2,
+            received_at=AT,
+            in_place=True,
+        )
+        assert out is mine and changed
+    assert [e["node"] for e in mine["reports"]] == ["a", "c", "d"]
+    assert mine["phase"] == "Detected" and first == kept
+
+
 def test_suspects_freeze_once_containment_starts() -> None:
     status = fold(fold({}, "a"), "c")
     assert status["phase"] == "Detected"
