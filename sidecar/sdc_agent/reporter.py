@@ -231,6 +231,17 @@ class Reporter:
                     self._jitter_until = entry[0] + random.uniform(0, jitter)
             self._cond.notify_all()
 
+    def hold_heartbeats(self, seconds: float) -> None:
+        """Send no heartbeat or checkpoint record for ``seconds`` from now, plus this
+        Reporter's jitter: the training side found a verdict at this step, so every node's
+        agent is about to report it (and the operator sheds heartbeats meanwhile). Verdicts
+        still go at once."""
+        with self._cond:
+            jitter = self.config.heartbeat_jitter_seconds
+            until = time.monotonic() + seconds + (random.uniform(0, jitter) if jitter else 0.0)
+            self._jitter_until = max(self._jitter_until, until)
+            self._cond.notify_all()
+
     def _drop_one(self) -> None:
         for kind in (HeartbeatReport, CheckpointReport):
             for i, (_, queued) in enumerate(self._others):

@@ -43,6 +43,11 @@ __all__ = ["CHECKS", "GuardReporting"]
 log = logging.getLogger("sdc_agent")
 
 CHECKS = ("nonfinite", "replay", "weights")
+
+HEARTBEAT_HOLD_AFTER_VERDICT_SECONDS = 10.0
+"""After a step with a verdict, a node's heartbeat waits this long, plus the Reporter's
+jitter: past the operator's 5 s in which it sheds heartbeats after a verdict, so the job's
+heartbeats do not meet its verdicts (docs/operator.md, "Verdicts first")."""
 """The checks whose time a heartbeat carries (``check_seconds``)."""
 
 
@@ -141,6 +146,10 @@ class GuardReporting:
         if self.reporter is None:
             return
         now = time.time()
+        if verdicts:
+            # every node saw this step's verdict: its heartbeat keeps away from the
+            # verdicts' storm (the operator sheds heartbeats then anyway)
+            self.reporter.hold_heartbeats(HEARTBEAT_HOLD_AFTER_VERDICT_SECONDS)
         for v in verdicts:
             if self._me in self._reporters_of(v):
                 writes = v.accuses_hardware and v.transient is not True

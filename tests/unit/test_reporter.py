@@ -343,6 +343,30 @@ def test_heartbeats_are_spread_with_jitter_verdicts_are_not(port: int, token: Pa
         operator.stop()
 
 
+def test_held_heartbeats_wait_the_hold_and_verdicts_do_not(port: int, token: Path) -> None:
+    """hold_heartbeats(0.6) (a step with a verdict): a heartbeat submitted then arrives no
+    sooner than 0.6 s later (a lower bound only: load can only delay it), a verdict
+    submitted with it at once; flush() sends what is held."""
+    operator = Operator(port)
+    try:
+        reporter = make(port, token, heartbeat_jitter_seconds=0)
+        held = time.monotonic()
+        reporter.hold_heartbeats(0.6)
+        reporter.submit(heartbeat(1))
+        reporter.submit(verdict(2))
+        while len(operator.arrived) < 2:
+            time.sleep(0.01)
+        (_, first), (heartbeat_at, second) = operator.arrived
+        assert (first, second) == ("verdict", "heartbeat")
+        assert heartbeat_at - held >= 0.55, f"held {heartbeat_at - held:.2f} s, not 0.6"
+        reporter.hold_heartbeats(60)
+        reporter.submit(heartbeat(3))
+        assert reporter.flush(5), "flush() waited for the hold"
+        assert operator.kinds()[-1] == "heartbeat"
+    finally:
+        operator.stop()
+
+
 def test_settings_are_checked(tmp_path: Path) -> None:
     from sdc_agent.errors import ConfigError
 

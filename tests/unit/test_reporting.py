@@ -8,7 +8,7 @@ import pytest
 
 from sdc_agent import GuardConfig
 from sdc_agent.protocol import ReporterIdentity, VerdictReport, encode_report, parse_report
-from sdc_agent.reporting import CHECKS, GuardReporting
+from sdc_agent.reporting import CHECKS, HEARTBEAT_HOLD_AFTER_VERDICT_SECONDS, GuardReporting
 from sdc_agent.topology import Topology
 from sdc_agent.verdict import Verdict
 
@@ -18,9 +18,13 @@ class Submitted:
 
     def __init__(self) -> None:
         self.reports: list[Any] = []
+        self.holds: list[float] = []
 
     def submit(self, report: Any) -> None:
         self.reports.append(report)
+
+    def hold_heartbeats(self, seconds: float) -> None:
+        self.holds.append(seconds)
 
 
 def reporting() -> tuple[GuardReporting, Submitted]:
@@ -87,3 +91,22 @@ def test_the_verdict_names_the_snapshot_the_ranks_write(
     assert report.snapshot_step == said
     read = parse_report(encode_report(report))  # what the operator reads
     assert isinstance(read, VerdictReport) and read.snapshot_step == said
+
+
+def test_a_step_with_a_verdict_holds_the_nodes_heartbeat_back_a_clean_step_does_not() -> None:
+    """Every node sees the step's verdict, elected reporter or not: its heartbeat keeps
+    away from the verdicts (held past the operator's 5 s of shedding)."""
+    out, sink = reporting()
+    out.config = GuardConfig(heartbeat_every=4, verdict_reporters=0)
+    out._me = "c"  # not a reporter of this verdict when elected; here every node reports
+    common: dict[str, Any] = {
+        "last_clean_step": 8,
+        "fingerprint_kernel": "eager",
+        "gradient_tolerance": None,
+        "bit_reproducible": None,
+    }
+    out.step_done(8, [], **common)
+    assert sink.holds == [] and [r.kind for r in sink.reports] == ["heartbeat"]
+    out.step_done(12, [verdict()], **common)
+    assert sink.holds == [HEARTBEAT_HOLD_AFTER_VERDICT_SECONDS] > [5.0]
+    assert [r.kind for r in sink.reports] == ["heartbeat", "verdict", "heartbeat"]
