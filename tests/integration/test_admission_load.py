@@ -235,14 +235,20 @@ def flood_while_pods_are_made(
     *,
     each_refused: bool,
 ) -> dict[str, collections.Counter[int]]:
-    """``count`` slow clients from each of ``sources`` for 3 s, then pods made through the
-    API server (asserted marked and wired) while they go on; their answers by source,
-    refused 503 from every address (``each_refused``) or from some."""
+    """``count`` slow clients from each of ``sources``; once the flood is at its limit (a
+    503 to every address with ``each_refused``, else to one: the reviews in flight are all
+    the listener allows them), pods made through the API server (asserted marked and
+    wired) while they go on; their answers by source, refused 503 from every address
+    (``each_refused``) or from some."""
 
     async def attack() -> dict[str, collections.Counter[int]]:
         flood = SlowReviews(s.op.admission_port, sources, count)
         try:
-            await asyncio.sleep(3.0)  # every client connected and trickling
+            refused = all if each_refused else any
+            deadline = time.monotonic() + 60
+            while not refused(flood.answers[source][503] for source in sources):
+                assert time.monotonic() < deadline, f"no 503 within 60 s: {flood.answers}"
+                await asyncio.sleep(0.05)
             await asyncio.to_thread(assert_genuine_pods_wired, cluster, namespace, job)
         finally:
             await flood.stop()
@@ -261,8 +267,8 @@ def flood_while_pods_are_made(
     return answers
 
 
-# timing: the floods run 3 s before the pods are made; each pod's review within the API
-# server's 5 s webhook timeout (milliseconds unloaded)
+# timing: each pod's review, made with the flood at its limit, within the API server's 5 s
+# webhook timeout (milliseconds unloaded)
 @pytest.mark.slow  # 40 to 100 s loaded: 200 TLS clients reconnecting
 @pytest.mark.timing
 def test_slow_reviews_from_one_address_leave_room_for_an_api_server_not_known(
