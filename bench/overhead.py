@@ -12,6 +12,14 @@ What bounds the goals on a CPU: DDP with a communication hook must scale every b
 is one pass over gradient memory; ``bound`` reports its time (``mul_`` over a tensor the
 size of the gradients, measured in the same process) next to the plain step's.
 
+What sets the floor, side by side in the same run (:data:`FLOOR`): ``plain_hook`` is plain
+DDP with the least a correct Python comm hook does (``mul_`` by 1/world size, all-reduce),
+``plain_hook_check`` the same with check 1's kernel doing the scaling; ``floor`` gives each
+over plain DDP (``any_comm_hook``, ``hook_and_check_pass``) and the Guard's ``hook_only`` and
+``nonfinite_only`` over them (what is the Guard's own beyond that arithmetic), and ``bound``
+the two kernels timed alone over a tensor the size of the gradients, with their share of
+the plain step (``mul_share_of_plain_step``, ``scale_and_check_share_of_plain_step``).
+
 ``defaults_snapshots``: the defaults with the verified snapshot on (``snapshot_copies=2``:
 each time ``last_clean_step`` advances, once per audit interval at the defaults, each rank
 copies its slices of the state to host memory); ``snapshot_extra`` is its step time against
@@ -25,6 +33,16 @@ resident memory sampled every 0.2 ms during an audited step and during the step 
 (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
 
     .venv/bin/python bench/overhead.py [--steps 200] [--warmup 5] [--models mlp,gpt2]
+
+For a given commit (its agent and this bench; the floor variants need no agent), in a
+detached worktree, on a quiet machine, under the CPU lock::
+
+    git -C /work/main worktree add --detach /tmp/ov-$SHA $SHA
+    cd /tmp/ov-$SHA && PYTHONPATH=$PWD/sidecar:$PWD/common flock /tmp/cpu.lock \
+        /work/main/.venv/bin/python bench/overhead.py --steps 60 > /tmp/overhead-$SHA.json
+
+(An older commit's bench lacks the floor variants: run this commit's ``bench/overhead.py``
+with ``PYTHONPATH`` at the older tree's ``sidecar`` and ``common`` to time its agent.)
 
 ``--layout fsdp`` or ``--layout hsdp`` measures the same models sharded with FSDP2
 (``fully_shard`` on each Linear of the MLP, then the root) on four gloo ranks on CPU: ``fsdp`` over
@@ -80,9 +98,20 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "defaults": {},
     "defaults_snapshots": {"snapshot_copies": 2},
     "every_step": {"weights_every": 1, "replay_every": 1},
+    # The floor: plain DDP, no Guard, with a minimal Python comm hook (see FLOOR).
+    "plain_hook": None,
+    "plain_hook_check": None,
 }
+FLOOR = {"plain_hook": False, "plain_hook_check": True}
+"""Plain DDP with a minimal Python comm hook: scale the bucket by 1/world size (DDP's
+arithmetic, which a hook must do itself), all-reduce it. ``plain_hook``: with ``mul_``,
+the cost of having any comm hook; ``plain_hook_check``: with check 1's kernel (scale and
+flag a non-finite element in one pass), the cost of that pass, with nothing of the Guard
+around it."""
 DEFAULT_VARIANTS = (
     "plain",
+    "plain_hook",
+    "plain_hook_check",
     "hook_only",
     "nonfinite_only",
     "weights_every_1_only",
@@ -230,6 +259,9 @@ def _runners(
         else:
             ddp = _fully_shard(net.to(device), mesh)
             opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+        if name in FLOOR and mesh is None:
+            hook = _minimal_hook(FLOOR[name], device)
+            ddp.register_comm_hook(state=None, hook=hook)  # type: ignore[operator]
         if config is None:
 
             def plain(ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt) -> None:
@@ -246,6 +278,30 @@ def _runners(
 
             runners[name] = (guarded, guard)
     return runners
+
+
+def _minimal_hook(
+    check: bool, device: torch.device
+) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """The least a correct Python comm hook does (see :data:`FLOOR`); ``check``: scale
+    with check 1's kernel, which also raises a (here unread) flag."""
+    world = dist.get_world_size()
+    found = torch.zeros(1, device=device)
+    inv = torch.full((1,), 1.0 / world, device=device)
+
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if check:
+            torch._amp_foreach_non_finite_check_and_unscale_([buffer], found, inv)
+        else:
+            buffer.mul_(1.0 / world)
+        fut = dist.all_reduce(buffer, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    hook.__annotations__.update(
+        bucket=dist.GradBucket, state=object, **{"return": torch.futures.Future[torch.Tensor]}
+    )
+    return hook
 
 
 def _mesh(layout: str, device: torch.device) -> Any:
@@ -358,6 +414,9 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
             "overhead": round(mean / plain - 1, 4),
             "median_overhead": round(statistics.median(samples) / plain_median - 1, 4),
         }
+    floor = _floor(times)
+    if floor:
+        out["floor"] = floor
     if "defaults" in times and "defaults_snapshots" in times:
         on, off = times["defaults_snapshots"], times["defaults"]
         out["snapshot_extra"] = {
@@ -365,6 +424,35 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
             "median": round(statistics.median(on) / statistics.median(off) - 1, 4),
         }
     return out
+
+
+def _floor(times: dict[str, list[float]]) -> dict[str, Any]:
+    """What CPU sets (see :data:`FLOOR`): each floor variant's overhead over plain DDP, and
+    the Guard's variants over the floor variant that does the same arithmetic (what is
+    the Guard's own: its Python, its flags)."""
+    out: dict[str, Any] = {}
+    pairs = {
+        "plain_hook": ("hook_only", "any_comm_hook", "hook_only_over_plain_hook"),
+        "plain_hook_check": (
+            "nonfinite_only",
+            "hook_and_check_pass",
+            "nonfinite_only_over_plain_hook_check",
+        ),
+    }
+    for floor, (guarded, own, over) in pairs.items():
+        if floor not in times:
+            continue
+        out[own] = _ratios(times[floor], times["plain"])
+        if guarded in times:
+            out[over] = _ratios(times[guarded], times[floor])
+    return out
+
+
+def _ratios(samples: list[float], base: list[float]) -> dict[str, float]:
+    return {
+        "mean": round(statistics.fmean(samples) / statistics.fmean(base) - 1, 4),
+        "median": round(statistics.median(samples) / statistics.median(base) - 1, 4),
+    }
 
 
 def measure_snapshot_memory(
@@ -604,9 +692,10 @@ def main() -> None:
             make_gpt2(**_gpt2_args(_gpt2_dims(args))) if kind == "gpt2" else make_model(args.hidden)
         )
         bound = got["bound"]
-        bound["scale_and_check_share_of_plain_step"] = round(
-            bound["scale_and_check_ms"] / summary["plain_step_ms"], 4
-        )
+        for kernel in ("mul", "scale_and_check"):
+            bound[f"{kernel}_share_of_plain_step"] = round(
+                bound[f"{kernel}_ms"] / summary["plain_step_ms"], 4
+            )
         models[kind] = {
             "model": "GPT-2 (transformers, random weights)" if kind == "gpt2" else "MLP",
             "parameters": sum(p.numel() for p in net.parameters()),
