@@ -63,16 +63,18 @@ def test_quickstart_drill_from_the_environment_is_caught() -> None:
     assert "done: last clean step 10" in proc.stdout
 
 
-@pytest.mark.slow  # two three-rank runs: about 27 s on 2 cores
-def test_custom_loop_example_runs_clean_and_catches_a_drill() -> None:
+# One three-rank run: about 14 s on 2 cores, nearly all of it starting torchrun and three
+# ranks (torch, and the torch._dynamo that DDP imports); the 30 steps take under a second.
+# A drill in the same loop form (phases, accumulation, clipping: a persistent finite
+# forward error on one rank, caught at its step, that rank named, the step held back) is
+# tests/distributed/test_loops.py's phases_accumulation; a drill set through
+# HYPERPOD_SDC_FAULTS under torchrun, test_quickstart_drill_from_the_environment_is_caught.
+@pytest.mark.slow
+def test_custom_loop_example_runs_clean() -> None:
     proc = run({}, nproc=3, script="custom_loop.py")
     finished(proc)
     assert "done: last clean step 30" in proc.stdout, proc.stdout + proc.stderr
     assert "step " not in proc.stdout.replace("done: last clean step", "")
-    fault = "rank=1,step=12,site=forward,kind=relative,persistent=true,target=1,index=all"
-    proc = run({"HYPERPOD_SDC_FAULTS": fault}, nproc=3, script="custom_loop.py")
-    finished(proc)
-    assert "step 15: rank(s) 1 computed a wrong result" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow  # transformers imported in three ranks: about 21 s on 2 cores
