@@ -10,6 +10,7 @@ TokenRequest, TokenReview, CRDs, patches, Events.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import secrets
@@ -127,28 +128,28 @@ class Cluster:
         self.custom = client.CustomObjectsApi(self.api)
         try:
             # create, not apply: the PyTorchJob CRD is too large for apply's annotation.
-            # Three kubectl processes, not one per file and CRD: each costs about a second
-            # on a loaded machine, and every test process starts a cluster.
+            # Two kubectl processes, not one per file and CRD: each costs about a second on
+            # a loaded machine, and every test process starts a cluster.
             third_party = (WORKLOAD_CRD, HYPERPOD_CRD, SERVICEMONITOR_CRD)
             self.kubectl("create", "-f", str(ROOT / "crds"), *(f"-f={p}" for p in third_party))
             self.kubectl("create", "--validate=false", "-f", str(PYTORCHJOB_CRD))
-            self.kubectl(
-                "wait",
-                "--for",
-                "condition=Established",
-                "--timeout=60s",
-                *(
-                    f"crd/{crd}"
-                    for crd in (
-                        "sdcincidents.hyperpod-sdc.dev",
-                        "sdcpolicies.hyperpod-sdc.dev",
-                        "pytorchjobs.kubeflow.org",
-                        "workloads.kueue.x-k8s.io",
-                        "hyperpodpytorchjobs.sagemaker.amazonaws.com",
-                        "servicemonitors.monitoring.coreos.com",
-                    )
-                ),
-            )
+            # (not `kubectl wait` on all six: this kubectl fails on a CRD that has no
+            # conditions yet instead of waiting)
+            crds = client.ApiextensionsV1Api(self.api)
+
+            def established(name: str) -> bool:
+                conditions = crds.read_custom_resource_definition(name).status.conditions
+                return any(c.type == "Established" and c.status == "True" for c in conditions or ())
+
+            for crd in (
+                "sdcincidents.hyperpod-sdc.dev",
+                "sdcpolicies.hyperpod-sdc.dev",
+                "pytorchjobs.kubeflow.org",
+                "workloads.kueue.x-k8s.io",
+                "hyperpodpytorchjobs.sagemaker.amazonaws.com",
+                "servicemonitors.monitoring.coreos.com",
+            ):
+                wait_for(f"the CRD {crd} Established", functools.partial(established, crd), 60)
             self.key = secrets.token_bytes(32)
             self.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
             self.core.create_namespaced_secret(
