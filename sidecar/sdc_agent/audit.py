@@ -42,6 +42,7 @@ from .replay import (
     choose_thirds,
     exchange,
     explain_mismatches,
+    free_in,
     judge,
     loss_bits,
     map_tensors,
@@ -50,11 +51,20 @@ from .replay import (
     replay_complete,
     resolve,
     storm_threshold,
+    suspects_by_kind,
     unpack,
 )
 from .topology import Topology
 
-__all__ = ["MICRO_BATCH_SEED", "AuditOutcome", "ReplayAudit", "ReplayStats", "audited_micro_batch"]
+__all__ = [
+    "MICRO_BATCH_SEED",
+    "REAUDITS",
+    "AuditOutcome",
+    "ReplayAudit",
+    "ReplayStats",
+    "audit_turn",
+    "audited_micro_batch",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -92,6 +102,13 @@ class AuditOutcome:
     """That evidence, on the rank that holds it (:attr:`BundleSource.writer`)."""
 
 
+REAUDITS = 3
+"""Re-audits at most in a row after audits that left differences unseparated (no free
+third node in a kind: :attr:`~sdc_agent.replay.Recheck.crowded`). Each draws the job's
+run-to-run noise afresh while a persistent fault stays, so a fault that crowding hid is
+named at the first of them whose kinds a free third separates; the next scheduled audit
+tries again."""
+
 MICRO_BATCH_SEED = 0x5DC
 """The seed of the audited micro-batch's permutations: the same on every rank (it needs
 no secret: which micro-batch is audited is no use to a faulty GPU)."""
@@ -112,6 +129,16 @@ def audited_micro_batch(audit: int, count: int, seed: int = MICRO_BATCH_SEED) ->
         return position
     order = random.Random(seed * 1_000_003 + cycle).sample(range(count), count)
     return order[position]
+
+
+def audit_turn(step: int, *, every: int, drawn: bool, again: bool) -> str | None:
+    """Whether ``step`` is audited: ``scheduled`` (every ``every`` steps, or ``drawn`` by
+    ``replay_probability``), ``again`` (a re-audit: the last audit left differences
+    unseparated; it replays the same micro-batch index and takes no turn of its own in
+    the rotation) or ``None``."""
+    if (every > 0 and step % every == 0) or drawn:
+        return "scheduled"
+    return "again" if again else None
 
 
 class _Collector:
@@ -234,6 +261,8 @@ class ReplayAudit:
         self._own = _Collector(fingerprinter)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
         self._audits_due = 0  # audits begun so far: the position in the permutations
+        self._again = False  # the last audit left differences unseparated: audit again
+        self._reaudits = 0  # re-audits since the last scheduled or drawn audit
         self._count = 1  # micro-batches per step, as the last step had them
         self.audited = 0
         """The index of the micro-batch this step's audit replays (see
@@ -268,19 +297,23 @@ class ReplayAudit:
     # -- during the step -----------------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        scheduled = self.every > 0 and step % self.every == 0
         # Draw every step, audited or not, so all ranks stay on the same sequence.
         drawn = self.probability > 0 and self._schedule.random() < self.probability
-        self._due_if_replayable = scheduled or drawn
+        turn = audit_turn(step, every=self.every, drawn=drawn, again=self._again)
+        again = turn == "again"
+        self._again = False
+        self._due_if_replayable = turn is not None
         self.due = self._due_if_replayable and self.loss_fn is not None
         if self._micro:
             self._count = self._micro
         self._drop_grad_hooks()
+        index = self.audited
         self.audited = 0
         if self._due_if_replayable and not self.grads_by_hook:
-            self.audited = audited_micro_batch(self._audits_due, self._count)
-        if self._due_if_replayable:
+            self.audited = index if again else audited_micro_batch(self._audits_due, self._count)
+        if self._due_if_replayable and not again:
             self._audits_due += 1
+            self._reaudits = 0
         self._captured = False
         self._forwards = 0
         self.step = step
@@ -613,7 +646,9 @@ class ReplayAudit:
             )
             & set(mismatched)
         )
-        rechecks = self._recheck(owners, mismatched, partner_payload, partner_own, replayed)
+        rechecks = self._recheck(
+            owners, mismatched, flagged, partner_payload, partner_own, replayed
+        )
         if rechecks:
             evidence["rechecks"] = [self._recheck_evidence(r) for r in rechecks[0]]
         findings: dict[int, ReplayFinding] = {}
@@ -684,6 +719,11 @@ class ReplayAudit:
             if source is not None and source.writer == self.me:
                 work = self._evidence_work(source, partner_payload, partner_own, replayed)
             return AuditOutcome(finding, evidence, False, self._note(notes), source, work)
+        # Differences no free third separated: audited again at the next step (fresh
+        # noise, the same fault), up to REAUDITS times in a row.
+        if unseparated and self._reaudits < REAUDITS:
+            self._again = True
+            self._reaudits += 1
         # Differences the recheck could not separate are not counted either: in a job that
         # is bit for bit reproducible they would make any later difference count as noise.
         withheld = {p for k in unseparated for p in flagged[k]}
@@ -944,6 +984,7 @@ class ReplayAudit:
         self,
         owners: list[int],
         mismatched: list[int],
+        flagged: dict[int, list[int]],
         partner_payload: Payload | None,
         partner_own: Summary | None,
         replayed: Summary | None,
@@ -954,12 +995,12 @@ class ReplayAudit:
         me, ring = self.me, self.replayer_of
         n = len(self.kind_names)
         involved = {r for p in mismatched for r in (p, ring[p])}
-        third = choose_thirds(owners, ring, self.nodes, involved)
-        # Owners left without a third although the ring has a third node for their pair.
-        crowded = {
-            q
-            for q in owners
-            if q not in third and set(self.nodes) - {self.nodes[q], self.nodes[ring[q]]}
+        # A third may be a rank rechecked in other kinds of evidence: its replay of q's
+        # work separates q and ring[q] in the kinds where it is no suspect itself.
+        third = choose_thirds(owners, ring, self.nodes, involved, flagged)
+        suspects = suspects_by_kind(owners, ring, flagged)
+        has_third_node = {
+            q: bool(set(self.nodes) - {self.nodes[q], self.nodes[ring[q]]}) for q in owners
         }
         sends: dict[int, list[Any]] = {}
         sources: set[int] = set()
@@ -1014,6 +1055,8 @@ class ReplayAudit:
         for kind in range(n):
             for k, q in enumerate(owners):
                 t = third.get(q)
+                if t is not None and not free_in(t, kind, suspects):
+                    t = None
                 out.setdefault(kind, []).append(
                     Recheck(
                         owner=q,
@@ -1023,7 +1066,7 @@ class ReplayAudit:
                         third_agrees_replay=None if t is None else table[t][k][kind][3] == 1.0,
                         rerun_reproduces=table[q][k][kind][0] == 1.0,
                         rereplay_reproduces=table[ring[q]][k][kind][1] == 1.0,
-                        crowded=q in crowded,
+                        crowded=t is None and has_third_node[q],
                     )
                 )
         return out

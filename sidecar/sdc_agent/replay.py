@@ -44,6 +44,7 @@ __all__ = [
     "exchange",
     "explain_mismatches",
     "forbid_collectives",
+    "free_in",
     "judge",
     "map_tensors",
     "pack",
@@ -52,6 +53,7 @@ __all__ = [
     "replay_complete",
     "resolve",
     "storm_threshold",
+    "suspects_by_kind",
     "unpack",
 ]
 
@@ -163,27 +165,61 @@ def choose_thirds(
     replayer_of: Mapping[int, int],
     nodes: Sequence[str],
     involved: set[int],
+    flagged: Mapping[int, Sequence[int]] | None = None,
 ) -> dict[int, int]:
     """``third_of[q]``: for each owner whose work is rechecked, a rank on a third node.
 
-    Never a rank that may itself be wrong here (an owner being rechecked, or its
-    replayer); preferably a rank in no mismatch at all (lowest first), else one whose
-    mismatches the ring already explains (the partner of a persistent rank: its own work
-    was right, a faulty replayer made it differ); preferably one not already chosen for
-    another recheck. Owners without a candidate (fewer than three nodes) are left out.
+    Never ``q`` or its replayer; preferably a rank that may be wrong nowhere here (no
+    owner being rechecked, no replayer of one; lowest first), else one whose mismatches
+    the ring already explains (the partner of a persistent rank: its own work was right,
+    a faulty replayer made it differ); preferably one not already chosen for another
+    recheck. Owners without a candidate (fewer than three nodes) are left out.
+
+    Without ``flagged`` a rank that may be wrong anywhere is never chosen. With
+    ``flagged`` (the owners whose work differed, per kind of evidence), such a rank is
+    chosen when nothing better is left: the one that may be wrong in the fewest of the
+    kinds in which ``q``'s work differed. Its replay of ``q``'s work then separates ``q``
+    and its replayer in the kinds where it may not be wrong (:func:`free_in`), and in the
+    others nobody (:attr:`Recheck.crowded`).
     """
     suspects = {r for q in owners for r in (q, replayer_of[q])}
+    by_kind = suspects_by_kind(owners, replayer_of, flagged or {})
     taken: set[int] = set()
     out = {}
     for q in owners:
         avoid = {nodes[q], nodes[replayer_of[q]]}
         ok = [t for t in range(len(nodes)) if nodes[t] not in avoid]
-        ok = [t for t in ok if t not in suspects]
-        ranked = sorted(ok, key=lambda t: (t in involved, t in taken, t))
+        if flagged is None:
+            ok = [t for t in ok if t not in suspects]
+        else:
+            ok = [t for t in ok if t not in (q, replayer_of[q])]
+        kinds = [k for k, ps in (flagged or {}).items() if q in ps]
+
+        def rank(t: int, kinds: list[int] = kinds) -> tuple[int, bool, bool, bool, int]:
+            conflicts = sum(t in by_kind[k] for k in kinds)
+            return (conflicts, t in suspects, t in involved, t in taken, t)
+
+        ranked = sorted(ok, key=rank)
         if ranked:
             out[q] = ranked[0]
             taken.add(ranked[0])
     return out
+
+
+def suspects_by_kind(
+    owners: Sequence[int], replayer_of: Mapping[int, int], flagged: Mapping[int, Sequence[int]]
+) -> dict[int, set[int]]:
+    """Per kind, the ranks that may be wrong in it: each owner being rechecked whose work
+    differed in that kind, and its replayer."""
+    return {
+        k: {r for q in owners if q in ps for r in (q, replayer_of[q])} for k, ps in flagged.items()
+    }
+
+
+def free_in(third: int, kind: int, suspects: Mapping[int, set[int]]) -> bool:
+    """A third's replay separates in ``kind`` only where the third may not be wrong in it
+    (in no pair that differed in that kind and is rechecked)."""
+    return third not in suspects.get(kind, set())
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +257,11 @@ class Recheck:
     rereplay_reproduces: bool
     """``R``'s second replay agrees with its first."""
     crowded: bool = False
-    """No third node was free, though the ring has one: every rank on a node other than
-    ``q``'s and ``R``'s was itself rechecked or replayed rechecked work (see
-    :func:`choose_thirds`). The differences reach every node, so nothing separates ``q``
-    and ``R`` from ranks that may be healthy (:func:`resolve` names nobody)."""
+    """No third node was free in this kind, though the ring has one: every rank on a node
+    other than ``q``'s and ``R``'s was itself rechecked, or replayed rechecked work, in a
+    pair that differed in this kind (see :func:`choose_thirds`). The differences reach
+    every node, so this recheck separates ``q`` and ``R`` from nobody; :func:`resolve`
+    names nobody on it (and does not let it hide what other rechecks separated)."""
 
 
 def judge(recheck: Recheck) -> tuple[str, int | None, bool | None]:
@@ -259,7 +296,10 @@ def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFind
             "reproducible across processes beyond the noise learned so far; no hardware "
             "is accused",
         )
-    outcomes = [(r, *judge(r)) for r in rechecks]
+    # A crowded recheck separates nobody: it is left out, never weighed against one
+    # whose free third did separate a rank.
+    crowded = sorted((r.owner, r.replayer) for r in rechecks if r.crowded)
+    outcomes = [(r, *judge(r)) for r in rechecks if not r.crowded]
     if any(o == "neither" for _, o, _, _ in outcomes):
         return ReplayFinding(
             "nondeterministic",
@@ -269,8 +309,8 @@ def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFind
             "a third node's replay agreed with neither side (or with both): the "
             "computation is not reproducible; no hardware is accused",
         )
-    crowded = sorted((r.owner, r.replayer) for r in rechecks if r.crowded)
-    if crowded:
+    separated = any(o in ("owner", "replayer") for _, o, _, _ in outcomes)
+    if crowded and not separated:
         # A rank is never named on evidence that does not separate it from healthy ranks:
         # with a third node in the ring but none free, some differing pairs are between
         # ranks that one faulty GPU does not explain (noise beyond the tolerance, or
@@ -318,6 +358,12 @@ def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFind
         message = (
             f"rank(s) {listed} computed a wrong result and reproduced it when recomputing "
             "its own micro-batch, while two other nodes agree with each other (persistent)"
+        )
+    if crowded:
+        listed = ", ".join(f"{a} and {b}" for a, b in crowded)
+        message += (
+            f"; the replays that differ between ranks {listed} had no free third node, "
+            "separate nobody, and accuse nobody"
         )
     return ReplayFinding("rank", names, True, transient, message, (), corroborated=True)
 

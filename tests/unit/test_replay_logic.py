@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from sdc_agent.audit import audited_micro_batch
+from sdc_agent.audit import REAUDITS, audit_turn, audited_micro_batch
 from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
     Payload,
@@ -17,11 +17,13 @@ from sdc_agent.replay import (
     RngState,
     choose_thirds,
     explain_mismatches,
+    free_in,
     judge,
     plan_ring,
     replay,
     resolve,
     storm_threshold,
+    suspects_by_kind,
 )
 
 
@@ -148,11 +150,52 @@ def test_pairs_no_free_third_node_can_tell_apart_accuse_nobody() -> None:
     f = resolve(e, crowded)
     assert (f.classification, f.suspects, f.localized) == ("unseparated", (), False)
     assert "0 and 2" in f.message and "no hardware is accused" in f.message
-    # Beside a pair a third node localized, too: the kind separates nobody at this audit.
-    localized = _recheck(owner=2, replayer=4, third=1)
-    assert resolve(e, [localized, *crowded[1:]]).suspects == ()
     # Without a third node in the ring at all (two nodes), the pair is still named.
     assert resolve(e, [_recheck(owner=0, replayer=2, third=None)]).suspects == (0, 2)
+
+
+def test_a_crowded_pair_never_hides_what_a_free_third_separated() -> None:
+    # The same ring: rank 2 faulty, its work's recheck had a free third (rank 1) that
+    # agreed with the replay; the noise pair 1-3 had none. Rank 2 is named alone, the
+    # crowded pair names nobody, and the message says so.
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    ring = plan_ring(nodes)
+    e = explain_mismatches([0, 1, 2], ring, max_mismatches=storm_threshold(6))
+    localized = _recheck(owner=2, replayer=4, third=1)
+    crowded = _recheck(owner=1, replayer=3, third=None, third_agrees_original=None, crowded=True)
+    f = resolve(e, [localized, crowded])
+    assert (f.classification, f.suspects, f.localized, f.corroborated) == (
+        "rank",
+        (2,),
+        True,
+        True,
+    )
+    assert "1 and 3" in f.message and "accuse nobody" in f.message
+    # A third the crowded pair's noise made a neither-nor: still nobody (noise).
+    neither = _recheck(owner=2, replayer=4, third=1, third_agrees_replay=False)
+    assert resolve(e, [neither, crowded]).classification == "nondeterministic"
+
+
+def test_a_rank_rechecked_in_other_kinds_serves_as_third_where_it_is_no_suspect() -> None:
+    # Rank 2's work differs in the loss (kind 0) and a layer (kind 1); noise in kind 1
+    # alone puts both ranks of node n0 in rechecked pairs (owner 1 -> 3, owner 4 -> 0).
+    # Without the kinds there is no third for rank 2 at all; with them, rank 0 or 1
+    # replays it, and separates it in the loss, where neither is a suspect.
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    ring = plan_ring(nodes)
+    owners = [1, 2, 4]
+    involved = {0, 1, 2, 3, 4}
+    assert choose_thirds(owners, ring, nodes, involved).get(2) is None
+    flagged = {0: [0, 2], 1: [0, 1, 2, 4]}
+    third = choose_thirds(owners, ring, nodes, involved, flagged)
+    t = third[2]
+    assert nodes[t] == "n0"
+    by_kind = suspects_by_kind(owners, ring, flagged)
+    assert free_in(t, 0, by_kind) and not free_in(t, 1, by_kind)
+    # Where a rank is free everywhere it is preferred, as without the kinds.
+    assert choose_thirds([2], ring, nodes, {0, 2, 4}, {0: [0, 2]}) == choose_thirds(
+        [2], ring, nodes, {0, 2, 4}
+    )
 
 
 def test_thirds_avoid_both_nodes_and_prefer_uninvolved_ranks() -> None:
@@ -405,3 +448,15 @@ def test_on_two_gpus_a_dropout_model_on_cuda_1_replays_bit_for_bit() -> None:
     loss = fn(model, batch)
     replayed = replay(model, list(model.parameters()), fn, payload, device, lambda i, g: None)
     assert torch.equal(replayed.view(torch.int32), loss.detach().view(torch.int32))
+
+
+def test_an_unseparated_audit_is_followed_by_re_audits_of_the_same_micro_batch() -> None:
+    # Every 5 steps; after an unseparated audit at step 5, step 6 is audited again (no turn
+    # of its own in the rotation); _decide stops asking after REAUDITS in a row.
+    assert audit_turn(5, every=5, drawn=False, again=False) == "scheduled"
+    assert audit_turn(6, every=5, drawn=False, again=True) == "again"
+    assert audit_turn(6, every=5, drawn=False, again=False) is None
+    assert audit_turn(6, every=5, drawn=True, again=True) == "scheduled"  # its own turn
+    assert audit_turn(10, every=5, drawn=False, again=True) == "scheduled"
+    assert audit_turn(7, every=0, drawn=False, again=True) == "again"
+    assert REAUDITS >= 1
