@@ -105,6 +105,10 @@ class Flood:
         if conn is not None:
             conn.close()
 
+    def answered(self) -> int:
+        """Requests answered so far (any status)."""
+        return sum(n for status, n in list(self.statuses.items()) if status.isdigit())
+
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         for thread in self._threads:
