@@ -65,6 +65,14 @@ class CleanSteps:
             del self._candidates[step]
             self._count(candidate.vouched)
 
+    def last_if_passed(self, step: int, what: str) -> int:
+        """What :attr:`last` would be if ``what`` that ``step`` waits for came back clean
+        now (nothing changes)."""
+        candidate = self._candidates.get(step)
+        if candidate is None or candidate.waiting - {what}:
+            return self.last
+        return max(self.last, self._would_reach(candidate.vouched))
+
     def restore(self, step: int) -> None:
         """A checkpoint of ``step`` was restored: trusted, nothing awaited."""
         self._candidates.clear()

@@ -116,13 +116,16 @@ class FlagReading:
         """A restored checkpoint replaces whatever the step of late flags did."""
         self._late = None
 
-    def settle_locally(self) -> None:
-        """Count a step whose late flags came back clean (waiting for the copy; no
-        collective: flags that are not clean wait for the next step's checks)."""
+    def last_clean_if_counted(self) -> int:
+        """``last_clean_step`` once a step whose late flags came back clean counts
+        (waiting for the copy; no collective). Nothing changes: every rank counts the step
+        at the next step's checks, where the verified snapshot taken with it is taken on
+        every rank alike (under pure FSDP a take is an exchange between ranks: one rank
+        taking it alone, here, would wait for the others forever)."""
         late = self._late
         if late is not None and late.flags.clean():
-            self._late = None
-            self._clean.resolved(late.state.step, "flags", passed=True)
+            return self._clean.last_if_passed(late.state.step, "flags")
+        return self._clean.last
 
     def judge_late(self, *, collective: bool, current: StepState | None) -> None:
         """Judge the flags of a step read late: clean, the step counts toward

@@ -538,7 +538,7 @@ class Guard:
         ``bundle_dir`` says otherwise (:class:`~sdc_agent.bundle.BundleSettings`)."""
         step = self.step_count if step is None else step
         self._settle_locally()
-        verified = step <= self.last_clean_step
+        verified = step <= self._flags.last_clean_if_counted()
         mark_checkpoint(
             path, step, verified=verified, reporter=self.reporter, identity=self._reporting.identity
         )
@@ -547,9 +547,9 @@ class Guard:
         return verified
 
     def _settle_locally(self) -> None:
-        """Count a step whose late flags or overlapped check-3 exchange came back clean
-        (waiting for them here; no collective: anything else waits for the next step)."""
-        self._flags.settle_locally()
+        """Count a step whose overlapped check-3 exchange came back clean (waiting for it
+        here; no collective: anything else waits for the next step). Check 3 has replicas
+        to compare only where a snapshot's take is no exchange (DDP, HSDP)."""
         self._weight_check.agree_pending()
         settled = self._weight_check.settled()
         if settled is not None:
