@@ -26,6 +26,7 @@ it took effect.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -145,7 +146,11 @@ def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_time(at: str) -> datetime:
+    """``at`` (RFC 3339, seconds, UTC) as a datetime; remembered: every verdict of a storm
+    parses the same few times (its pod's creation, the incident's stop; strptime cost
+    2.6 s of a profiled 2,048-node storm)."""
     return datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
 
 
