@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -238,6 +239,7 @@ def production(
     processes: int = 8,
     profile: Path | None = None,
     down: bool = False,
+    keep_logs: Path | None = None,
 ) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
@@ -246,7 +248,8 @@ def production(
     together with every node's heartbeat (a node's Reporter sends its verdict first).
     ``profile``: the (first) operator runs under cProfile, its statistics written there.
     ``down``: with two replicas, the leader is stopped before the warm-up (a rollout with
-    one replica down): every agent reports to the survivor, as through the Service."""
+    one replica down): every agent reports to the survivor, as through the Service.
+    ``keep_logs``: the operators' logs are copied there."""
     from bench.generator import Generator
     from sdc_harness.tls import issue
 
@@ -400,6 +403,9 @@ def production(
                 op.stop()
                 if group:
                     group[0].rmdir()
+                if keep_logs is not None:
+                    keep_logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(op.log_path, keep_logs / op.log_path.name)
         return result
     finally:
         cluster.stop()
@@ -464,6 +470,12 @@ def main() -> None:
         help="--production: run the (first) operator under cProfile and write its statistics "
         "to this file, one size only (read it with python -m pstats)",
     )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="--production: copy the operators' logs (op-NODES-REPLICA.log) to this folder",
+    )
     args = parser.parse_args()
     if args.production:
         with tempfile.TemporaryDirectory() as tmp:
@@ -477,6 +489,7 @@ def main() -> None:
                         args.generator_processes,
                         args.profile,
                         args.replica_down,
+                        args.keep_logs,
                     )
                 )
                 print(json.dumps(runs[-1]), file=sys.stderr)
