@@ -1,5 +1,6 @@
 """Evidence bundles written by the agent on real gloo process groups, and confirmed by
-``python -m sdc_agent.confirm`` as a separate process (issue 14).
+``python -m sdc_agent.confirm`` as a separate process (issue 14), or by its function in
+the test's process where the command line adds nothing (its exit codes: test_confirm).
 
 One spawn of 3 emulated nodes x 2 ranks runs every scenario; the faulty rank is 3 (local
 rank 1 of node n1), whose work rank 5 on n2 replays.
@@ -129,6 +130,30 @@ def _confirm(bundle: str, faults: str | None) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+def _confirm_here(bundle: str, faults: str | None) -> tuple[int, dict[str, Any]]:
+    """:func:`_confirm` in this process (a fresh one costs about 5 s of CPU: torch's
+    imports), which is not the training's either: a fault monkeypatched into a training
+    rank is not here. The job's numerics that the confirmation puts in force (threads,
+    deterministic algorithms, matmul precision) are put back after it."""
+    import torch
+
+    from sdc_agent.confirm import confirm
+
+    env = {k: v for k, v in os.environ.items() if k != "HYPERPOD_SDC_FAULTS"}
+    if faults is not None:
+        env["HYPERPOD_SDC_FAULTS"] = faults
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    precision = torch.get_float32_matmul_precision()
+    try:
+        result = confirm(bundle, repeats=2, env=env)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision(precision)
+    return result["exit_code"], result
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bundles")
@@ -218,7 +243,7 @@ def test_the_bundle_confirms_with_the_suspects_fault_and_not_without(
     assert gpu["result"] == "reproduces"
     # The emulated broken GPU gives back exactly what the suspect computed in the job.
     assert [r["outcome"] for r in gpu["replay"]["repeats"]] == ["suspect", "suspect"]
-    code, result = _confirm(str(bundle), None)
+    code, result = _confirm_here(str(bundle), None)
     assert (code, result["outcome"]) == (EXIT_CODES["not-confirmed"], "not-confirmed")
     assert [r["outcome"] for r in result["gpus"][0]["replay"]["repeats"]] == [
         "reference",
@@ -252,7 +277,7 @@ def test_the_directory_of_a_checkpoint_marked_on_another_rank(runs: dict[str, An
     assert read_bundle(bundle).manifest["recorded_by"]["rank"] == REPLAYER
 
 
-def test_a_monkeypatched_fault_is_caught_and_not_confirmed_by_a_fresh_process(
+def test_a_monkeypatched_fault_is_caught_and_not_confirmed_outside_the_training(
     runs: dict[str, Any],
 ) -> None:
     # The fault lives in the training process only (torch.nn.functional.linear wrapped on
@@ -267,5 +292,7 @@ def test_a_monkeypatched_fault_is_caught_and_not_confirmed_by_a_fresh_process(
         read_bundle(bundle).manifest["suspect_result"]["loss_bits"]
         != (read_bundle(bundle).reference["loss_bits"])
     )
-    code, result = _confirm(str(bundle), None)
+    code, result = _confirm_here(str(bundle), None)
     assert (code, result["outcome"]) == (EXIT_CODES["not-confirmed"], "not-confirmed")
+    repeats = result["gpus"][0]["replay"]["repeats"]
+    assert [r["outcome"] for r in repeats] == ["reference", "reference"], result
