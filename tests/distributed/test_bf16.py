@@ -39,7 +39,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 SUSPECT = 2
 EVERY = 5
-CONFIG = {"replay_every": EVERY, "weights_every": EVERY, "fingerprint_backend": "eager"}
+CONFIG = {"replay_every": EVERY, "weights_every": 0, "fingerprint_backend": "eager"}
+"""The weight check off: it changes nothing the audit sees, and last_clean_step then
+follows the audit alone."""
 FORWARD: dict[str, Any] = {"forward_noise": 0.01}
 BACKWARD: dict[str, Any] = {"grad_noise": True, "grad_noise_fraction": 0.1, "grad_noise_ulps": 4}
 NOISE: dict[str, dict[str, Any]] = {"forward": FORWARD, "backward": BACKWARD}
@@ -125,25 +127,11 @@ SCENARIOS["transient_one_ulp"] = Drill(
 )
 
 
-class _Runs(dict[str, list[DrillRank]]):
-    """The scenarios' results, each group's run in one spawn on first use: the GPT-2's
-    (520 steps in all, most of this file's time) apart from the rest, so that neither
-    spawn nears spawn_local's 600 s limit on a loaded 2-core machine, and a test of one
-    group does not wait for the other."""
-
-    def __missing__(self, name: str) -> list[DrillRank]:
-        group = name.startswith("gpt2_")
-        self.update(
-            run_scenarios(
-                NODES, {n: d for n, d in SCENARIOS.items() if n.startswith("gpt2_") == group}
-            )
-        )
-        return self[name]
-
-
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[DrillRank]]:
-    return _Runs()
+    """Every scenario in one spawn: six processes import torch (and transformers, for the
+    GPT-2) once for the file, not once per group."""
+    return run_scenarios(NODES, SCENARIOS)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
