@@ -33,9 +33,17 @@ def free_port() -> int:
 
 # What every rank imports anyway, imported once by the fork server the ranks are forked
 # from instead of once per rank (about 3 s of CPU a rank: torch, and torch._dynamo, which
-# DistributedDataParallel imports on construction); "__main__" as multiprocessing's default
-# (a script's main module, so that its functions can be targets).
-_PRELOAD = ["__main__", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"]
+# DistributedDataParallel imports on construction and FSDP2 with it; the Guard and every
+# module it uses, 0.1 s more where Python writes no bytecode cache); "__main__" as
+# multiprocessing's default (a script's main module, so that its functions can be targets).
+_PRELOAD = [
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "sdc_agent.guard",
+]
 
 
 def _child(
