@@ -299,20 +299,16 @@ class _Mine:
     agree_seconds: float
 
 
-def agree_to_gather(group: dist.ProcessGroup | None, key: str, world: int, seconds: float) -> bool:
-    """Called by each rank that saw a step's flag in the reduced bucket: whether every
-    rank of ``group`` did (within ``seconds``), so that they all gather their own flags.
+def agree_to_gather(key: str, world: int, seconds: float) -> bool:
+    """Called by each rank that saw a step's flag in the reduced bucket: whether all
+    ``world`` ranks of its group did (within ``seconds``), so that they all gather their
+    own flags. ``key``: the step's, under the Guard's run id (one Guard, one group).
     Every rank that calls it gets the same answer: the first to decide writes it into the
     store (``compare_set``), the last rank to arrive or the first to give up waiting. No
     collective: a rank that did not see the flag never calls it."""
     store = dist.PrefixStore(
         f"hyperpod-sdc/flags/{key}/", dist.distributed_c10d._get_default_store()
     )
-    if group is not None:
-        # Another group's ranks decide under other keys.
-        store = dist.PrefixStore(
-            ",".join(map(str, dist.get_process_group_ranks(group))) + "/", store
-        )
     if store.add("arrived", 1) >= world:
         return store.compare_set("decided", "", "all") == b"all"
     # Giving up: DistStoreError (TCPStore), RuntimeError (FileStore).
@@ -372,7 +368,7 @@ class HostFlags:
         rows = [0.0] * (self.world + 1)
         if not found:
             return rows
-        if not agree_to_gather(mine.group, mine.key, self.world, mine.agree_seconds):
+        if not agree_to_gather(mine.key, self.world, mine.agree_seconds):
             self.disagreed = True
             rows[self.world] = 1.0 if mine.halt else 0.0
             return rows
