@@ -18,6 +18,10 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 scripts/bootstrap.sh agent,operator,test,dev
 export PYTHONHASHSEED=0
+# The project's own modules compiled once, not in each of the suite's processes (a shell
+# that sets PYTHONDONTWRITEBYTECODE, as this machine's does, has every process compile them
+# again; __pycache__ is ignored by git).
+unset PYTHONDONTWRITEBYTECODE
 # One command per line: under `set -e` a failure inside an `a && b` list does not stop
 # the script.
 echo "== ruff"
