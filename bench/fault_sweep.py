@@ -21,6 +21,13 @@ step not applied, and nobody named before the fault began. ``smallest_caught``: 
 size from which every larger size tried was caught too (``null``: not even the largest).
 
     .venv/bin/python bench/fault_sweep.py [--model mlp|gpt2] [--noise none,forward,backward]
+
+``--seeds 3,4,5`` repeats the sweep with those noise seeds (each seed's clean run and fault
+runs draw from it; by default the clean run draws from seed 1 and the fault runs from seed 2),
+``--sizes ulp=2,8 relative=0.001`` restricts the sizes tried; ``by_seed`` then holds each
+seed's results and ``over_seeds`` counts, per size, the seeds where it was caught and those
+where any audit named a healthy rank (``healthy_named``: every verdict of the run, not only
+the first).
 """
 
 from __future__ import annotations
@@ -94,31 +101,37 @@ def _judge(ranks: list[DrillRank]) -> dict[str, Any]:
         if first is None
         else len(first["evidence"].get("evidence_kinds", [])),
         "named_before_the_fault": early,
+        "healthy_named": sorted({r for v in named for r in v["suspect_ranks"]} - {SUSPECT}),
         "applied": sum(r.applied),
         "replay_mismatches": r.replay_mismatches,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp", choices=["mlp", "gpt2"])
-    parser.add_argument("--noise", default="none,forward,backward")
-    args = parser.parse_args()
-    noises = [n for n in args.noise.split(",") if n]
-    target = "3" if args.model == "mlp" else GPT2_MIDDLE
-    extra: dict[str, Any] = {"model": args.model, "width": 64 if args.model == "mlp" else 32}
+def _sweep(
+    noises: list[str],
+    sizes: dict[str, list[float]],
+    extra: dict[str, Any],
+    target: str,
+    seeds: tuple[int, int],
+) -> dict[tuple[str, str, float | None], Drill]:
+    clean_seed, fault_seed = seeds
     scenarios: dict[tuple[str, str, float | None], Drill] = {}
     for noise in noises:
         common = {**extra, **NOISE[noise], "autocast": True, "config": CONFIG}
-        scenarios[(noise, "clean", None)] = Drill(steps=STEPS, noise_seed=1, **common)
-        for kind, sizes in SIZES.items():
-            for size in sizes:
+        scenarios[(noise, "clean", None)] = Drill(steps=STEPS, noise_seed=clean_seed, **common)
+        for kind, tried in sizes.items():
+            for size in tried:
                 scenarios[(noise, kind, size)] = Drill(
-                    steps=STEPS, noise_seed=2, faults=_fault(kind, size, target), **common
+                    steps=STEPS, noise_seed=fault_seed, faults=_fault(kind, size, target), **common
                 )
-    started = time.perf_counter()
-    results = run_drill(NODES, list(scenarios.values()))
-    seconds = time.perf_counter() - started
+    return scenarios
+
+
+def _results(
+    scenarios: dict[tuple[str, str, float | None], Drill],
+    results: list[list[DrillRank]],
+    sizes: dict[str, list[float]],
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for (noise, kind, tried_size), ranks in zip(scenarios, results, strict=True):
         per = out.setdefault(noise, {})
@@ -133,31 +146,85 @@ def main() -> None:
             continue
         per.setdefault(kind, {"tried": {}})["tried"][str(tried_size)] = _judge(ranks)
     for per in out.values():
-        for kind in SIZES:
+        for kind in sizes:
             tried = per[kind]["tried"]
             smallest: float | None = None
-            for size in reversed(SIZES[kind]):
+            for size in reversed(sizes[kind]):
                 if not tried[str(size)]["caught"]:
                     break
                 smallest = size
             per[kind]["smallest_caught"] = smallest
-    print(
-        json.dumps(
-            {
-                "date": datetime.date.today().isoformat(),
-                "model": args.model,
-                "ranks": len(NODES),
-                "nodes": len(set(NODES)),
-                "replay_every": EVERY,
-                "fault_from_step": START,
-                "steps": STEPS,
-                "emulated_noise": True,
-                "seconds": round(seconds, 1),
-                "results": out,
-            },
-            indent=1,
-        )
-    )
+    return out
+
+
+def _over_seeds(by_seed: dict[str, dict[str, Any]], sizes: dict[str, list[float]]) -> Any:
+    summary: dict[str, Any] = {}
+    for seed, out in by_seed.items():
+        for noise, per in out.items():
+            mine = summary.setdefault(noise, {"seeds": 0, "clean_named_healthy": []})
+            mine["seeds"] += 1
+            if per["clean"]["named"]:
+                mine["clean_named_healthy"].append(int(seed))
+            for kind in sizes:
+                for size, r in per[kind]["tried"].items():
+                    row = mine.setdefault(f"{kind}={size}", {"caught": [], "healthy_named": []})
+                    if r["caught"]:
+                        row["caught"].append(int(seed))
+                    if r["healthy_named"]:
+                        row["healthy_named"].append(int(seed))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "gpt2"])
+    parser.add_argument("--noise", default="none,forward,backward")
+    parser.add_argument("--seeds", default="", help="noise seeds, comma-separated")
+    parser.add_argument("--sizes", nargs="*", default=[], help="KIND=SIZE,SIZE ...")
+    args = parser.parse_args()
+    noises = [n for n in args.noise.split(",") if n]
+    sizes = dict(SIZES)
+    if args.sizes:
+        sizes = {}
+        for item in args.sizes:
+            kind, _, listed = item.partition("=")
+            if kind not in SIZES or not listed:
+                parser.error(
+                    f"--sizes: expected KIND=SIZE,... with KIND in {list(SIZES)}, got {item!r}"
+                )
+            sizes[kind] = [float(x) for x in listed.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    target = "3" if args.model == "mlp" else GPT2_MIDDLE
+    extra: dict[str, Any] = {"model": args.model, "width": 64 if args.model == "mlp" else 32}
+    runs = [(s, s) for s in seeds] or [(1, 2)]
+    plans = [_sweep(noises, sizes, extra, target, r) for r in runs]
+    started = time.perf_counter()
+    drills = [d for plan in plans for d in plan.values()]
+    results = run_drill(NODES, drills)
+    seconds = time.perf_counter() - started
+    outs = []
+    for plan in plans:
+        outs.append(_results(plan, results[: len(plan)], sizes))
+        results = results[len(plan) :]
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "model": args.model,
+        "ranks": len(NODES),
+        "nodes": len(set(NODES)),
+        "replay_every": EVERY,
+        "fault_from_step": START,
+        "steps": STEPS,
+        "emulated_noise": True,
+        "seconds": round(seconds, 1),
+    }
+    if seeds:
+        by_seed = {str(s): out for s, out in zip(seeds, outs, strict=True)}
+        report["sizes"] = {k: v for k, v in sizes.items()}
+        report["over_seeds"] = _over_seeds(by_seed, sizes)
+        report["by_seed"] = by_seed
+    else:
+        report["results"] = outs[0]
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
