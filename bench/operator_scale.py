@@ -200,7 +200,9 @@ DEPARTURES = [
     "an admin kubeconfig: the chart's RBAC is not applied",
     "pods carry the creator marker the admission webhook would write, written by the bench",
     "HYPERPOD_SDC_NAMESPACES is the job's namespace (the chart watches every namespace)",
-    "the agents' heartbeat jitter is 0 (the default is 10 s): every heartbeat of the job "
+    "the agents' heartbeat jitter is 0 (the default is 10 s) and their heartbeats are "
+    "submitted with the verdicts, not through the Guard, so the agent's hold after a step "
+    "with a verdict (Reporter.hold_heartbeats) does not apply: every heartbeat of the job "
     "arrives together with the verdicts, the worst case",
     "the agents (the generator: one real Reporter thread per node) run in "
     "--generator-processes processes on the same cores as the operator, the API server and "
@@ -320,7 +322,7 @@ def production(
                 "settings_raised": notes,
             }
             result["operator_rss_after_start_mb"] = [
-                round(storm.rss_peak_mb(op.proc.pid), 1) for op in ops
+                round(storm.rss_peak_mb(op.proc.pid), 1) for op in alive
             ]
             result["memory_limit"] = (
                 f"cgroup: growth limited to {groups[0][1] / 2**20:.0f} MiB"
@@ -363,8 +365,9 @@ def production(
                 ]
                 name = (watcher.incident or {}).get("metadata", {}).get("name", "")
                 logged = [_logged_at(op.log(), namespace, name) for op in ops]
-                agreed = [t[0] for t in logged if t]
-                done = [t[1] for t in logged if len(t) > 1]
+                # (with two replicas one may log the agreement and the other the stop)
+                agreed = [t for got in logged for t in got["agreed"]]
+                done = [t for got in logged for t in got["contained"]]
                 operator_cpu = [
                     round(storm.cpu_seconds(op.proc.pid) - c, 2)
                     for op, c in zip(alive, cpu, strict=True)
@@ -411,19 +414,21 @@ def production(
         cluster.stop()
 
 
-def _logged_at(log: str, namespace: str, name: str) -> list[float]:
+def _logged_at(log: str, namespace: str, name: str) -> dict[str, list[float]]:
     """When the operator logged incident ``namespace/name``'s transitions (unix seconds,
-    its log's millisecond clock): agreed (Detected), then contained. Free of the
-    generator's own delays: the watch that times ``contained_s`` is a thread of the
-    generator, behind thousands of agents' threads."""
+    its log's millisecond clock): ``agreed`` (Detected) and ``contained`` (job stopped).
+    Free of the generator's own delays: the watch that times ``contained_s`` is a thread of
+    the generator."""
     import datetime
 
     marker = f" WARNING sdc_operator.engine: incident {namespace}/{name}: "
-    return [
-        datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        for line in log.splitlines()
-        if name and marker in line and f"{marker}confirmation" not in line
-    ]
+    out: dict[str, list[float]] = {"agreed": [], "contained": []}
+    for line in log.splitlines():
+        if not name or marker not in line or f"{marker}confirmation" in line:
+            continue
+        at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        out["contained" if f"{marker}job stopped" in line else "agreed"].append(at)
+    return out
 
 
 def _memory_cgroup(pid: int) -> tuple[Path, int] | None:
