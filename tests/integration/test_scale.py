@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,25 @@ def test_twenty_namespaces_watched_every_cache_is_fresh(
         assert post(op.url, encode_report(report), token)[0] == 202
     reads = _requests(op, "intake", "get")
     assert reads == {}, f"the intake read what the caches should have had: {reads}"
+
+
+@pytest.mark.slow  # about 60 s: an API server of its own, two operators, 12 agents
+def test_the_production_bench_contains_with_the_leader_down(tmp_path: Path) -> None:
+    """``bench/operator_scale.py --production --replicas 2 --replica-down`` at 12 nodes:
+    the agents in two generator processes open every kept connection before the storms,
+    the leader is stopped, and the survivor takes the Lease and contains both storms (the
+    elected reporters', every node's, each with every node's heartbeat); every verdict is
+    delivered and the generator's CPU is counted."""
+    from bench.operator_scale import production
+
+    result = production(12, tmp_path, replicas=2, processes=2, down=True)
+    assert result["generator_processes"] == 2
+    assert result["warm_up"]["connections_open"] == 12, result["warm_up"]
+    assert "replica_down" in result and result["leader_after_the_storms"] == [True], result
+    assert result["lease_lost"] == [False] and result["operator_alive"] == [True]
+    for label, reporters in (("elected_with_heartbeats", 3), ("every_node_with_heartbeats", 12)):
+        got = result[label]
+        assert got["contained_in_operator_log_s"] is not None, (label, got)
+        assert got["verdicts"]["delivered"] == reporters, (label, got["verdicts"])
+        assert got["heartbeats"]["delivered"] == 12, (label, got["heartbeats"])
+        assert got["generator_cpu_s"] > 0 and got["connections_opened"] == 0, (label, got)
