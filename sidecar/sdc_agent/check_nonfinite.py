@@ -56,30 +56,15 @@ class NonFiniteCheck(CheckUnit):
         before: list[bool],
         late: LateMicroBatch | None = None,
         after: list[bool] | None = None,
-        *,
-        disagreed: bool = False,
     ) -> None:
         """The flags of ``state``'s step reached the host: ``before[r]``, rank ``r``'s
         local gradients were not finite; ``after[r]`` (where the layout checks them), its
         reduced gradients were not. A collective when one rank alone was (the replay on
         another node). ``late``: the step's micro-batch, where its flags are read during
-        the next step (the audit holds that step's by then). ``disagreed``: the reduced
-        bucket told this rank that some rank flagged, but not every rank saw it
-        (:func:`~sdc_agent.nonfinite.agree_to_gather`); ``after`` names this rank."""
+        the next step (the audit holds that step's by then)."""
         if not self.enabled:
             return
         finding = classify_nonfinite(before, after, self.collective)
-        if finding is not None and disagreed:
-            # No rank's own flags are known here, and no collective may follow (the other
-            # ranks went on): a verdict on the collective, without the replay.
-            finding = NonFiniteFinding(
-                "collective",
-                finding.suspects,
-                True,
-                f"the {self.collective} handed the ranks different results: the reduced "
-                f"gradients on rank {', '.join(map(str, finding.suspects))} were not "
-                "finite and not every rank saw that",
-            )
         if finding is None:
             return
         state.hold = True

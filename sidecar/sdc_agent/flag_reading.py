@@ -55,7 +55,6 @@ class FlagReading:
         wanted: bool,
         defer: bool,
         stop: Callable[[], BaseException],
-        run_id: str,
     ) -> None:
         self._layout = layout
         self._check = check
@@ -68,7 +67,6 @@ class FlagReading:
         """The optimizer skips on a GPU: the host reads a step's flags during the next
         step's checks, never waiting for them in the step itself."""
         self._stop = stop
-        layout.flags.scope = run_id  # the store's keys where ranks agree to gather
         self._read = False
         self._late: _LateFlags | None = None
 
@@ -92,7 +90,7 @@ class FlagReading:
             before, halt = host.read()
             if halt:
                 raise self._stop()
-            self._check.judge(state, before, after=host.after(), disagreed=host.disagreed)
+            self._check.judge(state, before, after=host.after())
         return skip
 
     def after_step(self, state: StepState) -> None:
@@ -144,9 +142,7 @@ class FlagReading:
             raise self._stop()
         known = len(late.state.verdicts)
         micro_batch = late.micro_batch if collective else LateMicroBatch(None, 1)
-        self._check.judge(
-            late.state, before, micro_batch, late.flags.after(), disagreed=late.flags.disagreed
-        )
+        self._check.judge(late.state, before, micro_batch, late.flags.after())
         found = late.state.verdicts[known:]
         self._clean.resolved(late.state.step, "flags", passed=not found)
         if not found:

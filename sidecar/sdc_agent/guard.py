@@ -185,7 +185,6 @@ class Guard:
             wanted=flags_wanted,
             defer=self._gate.device_skip and self.device.type == "cuda",
             stop=self._stop,
-            run_id=self.run_id,
         )
         self._snapshots = SnapshotKeeper(
             config=self.config,

@@ -34,41 +34,28 @@ from finite inputs elsewhere reaches the optimizer; the rank that received it th
 computes non-finite local gradients at the next step (its weights are no longer finite),
 which this check names, and check 3 sees the replicas differ. A finite value corrupted
 inside the collective is check 3's (replicas differ) or, where it reaches every rank
-alike, nobody's. The ranks agree because they read the same reduced element. A collective that hands
-ranks different values there (SDC inside it) leaves only some ranks knowing that a rank
-flagged: those alone must not gather, or they would wait forever for the rest. So before
-the gather the ranks that saw the flag agree through the process group's store, with a
-bound (:func:`agree_to_gather`, :data:`AGREE_SECONDS`): every rank saw it, and they
-gather; or not every rank did in time, and each that saw it holds the step back without
-a collective and names the all-reduce (its reduced gradients were not finite, the
-others' were). The ranks then disagree about the step, as before the flags rode in the
-bucket, and check 3 sees the replicas differ.
+alike, nobody's. The ranks agree because they read the same reduced element, as they
+agreed before because they read the same all-reduced flag vector. A collective that hands
+ranks different values there (SDC inside it, after the reduction) leaves only some ranks
+knowing that a rank flagged: those gather the ranks' own flags alone and wait until the
+process group's timeout ends the job with an error, where a corrupted flag vector left
+the ranks disagreeing about the step. Agreeing first through the store was tried and
+taken back: a rank that reached the agreement late (a long rank-0 save between a step and
+the next step's checks, where the flags are read late) turned an ordinary non-finite step
+into verdicts against healthy ranks, and the ranks that held the step skipped an audit
+step's collectives that the others ran.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "AGREE_SECONDS",
-    "HostFlags",
-    "NonFiniteFinding",
-    "StepFlags",
-    "agree_to_gather",
-    "classify_nonfinite",
-]
-
-AGREE_SECONDS = 60.0
-"""How long the ranks that saw a step's flag (marked in a bucket) wait for the others
-before they gather each rank's own flags. They reach that point within a step of each
-other: the collectives of the step hold them together."""
+__all__ = ["HostFlags", "NonFiniteFinding", "StepFlags", "classify_nonfinite"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +134,6 @@ class StepFlags:
         self._found: torch.Tensor | None = None
         self.halt = False
         self.group: dist.ProcessGroup | None = None
-        self.scope = ""
-        """What the store's keys of these flags start with: the same on every rank, new
-        for every Guard (its run id)."""
-        self.agree_seconds = AGREE_SECONDS
-        self._round = 0  # steps begun: the same on every rank
         # Two pinned host buffers per size, taken in turn: a step's flags may still be on
         # their way to one while the next step's go to the other (CUDA only).
         self._pinned: dict[int, list[torch.Tensor]] = {}
@@ -164,7 +146,6 @@ class StepFlags:
         self._marked = False
         self._found = None
         self.halt = halt
-        self._round += 1
 
     def scale_and_check(self, buffer: torch.Tensor, check: bool) -> None:
         """Scale ``buffer`` by 1/world in place; with ``check``, flag a non-finite element."""
@@ -256,14 +237,7 @@ class StepFlags:
         if self._riding:
             assert self._found is not None, "the marked bucket's all-reduce has not completed"
             total = self._found.reshape(1)
-            mine: _Mine | None = _Mine(
-                self.local.clone(),
-                self.halt,
-                self.group,
-                self.me,
-                f"{self.scope}/{self._round}",
-                self.agree_seconds,
-            )
+            mine: _Mine | None = _Mine(self.local.clone(), self.halt, self.group, self.me)
         else:
             total = self.gathered()
             mine = None
@@ -294,27 +268,6 @@ class _Mine:
     halt: bool
     group: dist.ProcessGroup | None
     me: int
-    key: str
-    """This step's keys in the store (:func:`agree_to_gather`)."""
-    agree_seconds: float
-
-
-def agree_to_gather(key: str, world: int, seconds: float) -> bool:
-    """Called by each rank that saw a step's flag in the reduced bucket: whether all
-    ``world`` ranks of its group did (within ``seconds``), so that they all gather their
-    own flags. ``key``: the step's, under the Guard's run id (one Guard, one group).
-    Every rank that calls it gets the same answer: the first to decide writes it into the
-    store (``compare_set``), the last rank to arrive or the first to give up waiting. No
-    collective: a rank that did not see the flag never calls it."""
-    store = dist.PrefixStore(
-        f"hyperpod-sdc/flags/{key}/", dist.distributed_c10d._get_default_store()
-    )
-    if store.add("arrived", 1) >= world:
-        return store.compare_set("decided", "", "all") == b"all"
-    # Giving up: DistStoreError (TCPStore), RuntimeError (FileStore).
-    with contextlib.suppress(RuntimeError):
-        store.wait(["decided"], timedelta(seconds=seconds))
-    return store.compare_set("decided", "", "alone") == b"all"
 
 
 class HostFlags:
@@ -328,9 +281,6 @@ class HostFlags:
         self.world = world
         self._mine = mine
         self._rows: list[float] | None = None
-        self.disagreed = False
-        """The reduced bucket said some rank flagged, but not every rank saw that in
-        time (:func:`agree_to_gather`): nothing was gathered."""
 
     def ready(self) -> bool:
         """Whether :meth:`clean` would not wait (never waits itself)."""
@@ -368,10 +318,6 @@ class HostFlags:
         rows = [0.0] * (self.world + 1)
         if not found:
             return rows
-        if not agree_to_gather(mine.key, self.world, mine.agree_seconds):
-            self.disagreed = True
-            rows[self.world] = 1.0 if mine.halt else 0.0
-            return rows
         vector = torch.zeros(self.world + 1, dtype=torch.float32, device=mine.local.device)
         vector[mine.me : mine.me + 1].copy_(mine.local)
         if mine.halt:
@@ -388,8 +334,6 @@ class HostFlags:
         :meth:`read`."""
         if self._mine is not None:
             assert self._rows is not None, "read() first"
-            if self.disagreed:  # only this rank's reduced gradients are known not finite
-                return [r == self._mine.me for r in range(self.world)]
             # The reduced bucket is every rank's: non-finite on every rank alike.
             return [True] * self.world if len(self._rows) > self.world + 1 else None
         rows = self._host_rows()
