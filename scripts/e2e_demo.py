@@ -16,7 +16,9 @@ harness the integration tests share): what the Kubeflow training operator and th
 would do. The runner creates the job's pods from its template, as
 the training operator's ServiceAccount, bound to nodes that accept them (cordon and taints
 honoured). The kubelet stand-in reads each pod back as the API server stored it (the
-webhook's additions included) and starts two worker processes per pod from that spec: its
+webhook's additions included) and starts two worker processes per pod from that spec (each
+forked from a process that imported torch once, ``sdc_harness.zygote``, as a warm container
+would skip the imports): its
 env (downward-API ``fieldRef``s resolved), its projected ServiceAccount token (a bound token
 requested with the volume's audience) and its ConfigMap volumes (the CA), written into a
 directory per pod; a path under a mount in the env points into that directory instead. It

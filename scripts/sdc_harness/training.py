@@ -6,7 +6,8 @@ ServiceAccount (:func:`training_operator`, a trusted pod creator), bound to node
 accept them (cordon and taints honoured: :func:`schedulable`). As the kubelet it reads
 each pod back as the API server stored it (the admission webhook's additions included)
 and starts the pod's worker processes from that spec (:func:`sdc_harness.kubelet.materialize`:
-env, projected token, ConfigMap volumes), with what torchrun gives each worker. It stops
+env, projected token, ConfigMap volumes), with what torchrun gives each worker, each
+forked from a process that imported torch once (:mod:`sdc_harness.zygote`). It stops
 the workers when the job is suspended (SIGTERM, SIGKILL after the grace period) and
 starts new pods when it is resumed. It is also the scheduler and kubelet of the
 operator's confirmation pods (:func:`sdc_harness.kubelet.start`).
@@ -32,7 +33,7 @@ from kubernetes import client, config
 
 from sdc_operator.confirmation import CONFIRMATION_LABEL
 
-from . import kubelet
+from . import kubelet, zygote
 from .cluster import Cluster, free_port
 
 TRAINING_OPERATOR = ("kubeflow", "training-operator")
@@ -121,7 +122,7 @@ class Runner:
     """Called with each pod labelled :data:`CONFIRMATION_LABEL` once it started."""
     wired_pods: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[zygote.Forked] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     """Each worker's log, as ``procs``."""
     placements: list[list[str]] = field(default_factory=list)
@@ -176,16 +177,8 @@ class Runner:
                 }
                 name = f"{pod_name}-{local}-{len(self.placements)}.log"
                 self.logs.append(self.work / name)
-                with open(self.work / name, "wb") as log:
-                    self.procs.append(
-                        subprocess.Popen(
-                            self.command,
-                            env=worker_env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
+                (self.work / name).write_bytes(b"")
+                self.procs.append(zygote.start(self.command, worker_env, self.work / name))
         self.placements.append(placement)
         extra = f", HYPERPOD_SDC_RESUME_MAX_STEP={resume}" if resume else ""
         self.note(
