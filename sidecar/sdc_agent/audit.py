@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import random
 import warnings
@@ -35,6 +36,7 @@ from .faults import FaultInjector, FaultSpec, corrupt_
 from .fingerprint import Fingerprinter
 from .judging import NoiseModel, split_by_kind
 from .replay import (
+    WEAK_AUDITS,
     Payload,
     Recheck,
     ReplayFinding,
@@ -46,6 +48,7 @@ from .replay import (
     judge,
     loss_bits,
     map_tensors,
+    named_on_repeat,
     pack,
     plan_ring,
     replay_complete,
@@ -263,6 +266,8 @@ class ReplayAudit:
         self._audits_due = 0  # audits begun so far: the position in the permutations
         self._again = False  # the last audit left differences unseparated: audit again
         self._reaudits = 0  # re-audits since the last scheduled or drawn audit
+        self._reauditing = False  # this step's audit is a re-audit
+        self._weak: list[set[int]] = []  # weak separations of the audits in a row so far
         self._count = 1  # micro-batches per step, as the last step had them
         self.audited = 0
         """The index of the micro-batch this step's audit replays (see
@@ -301,6 +306,7 @@ class ReplayAudit:
         drawn = self.probability > 0 and self._schedule.random() < self.probability
         turn = audit_turn(step, every=self.every, drawn=drawn, again=self._again)
         again = turn == "again"
+        self._reauditing = again
         self._again = False
         self._due_if_replayable = turn is not None
         self.due = self._due_if_replayable and self.loss_fn is not None
@@ -590,6 +596,9 @@ class ReplayAudit:
         rank goes to the recheck; a rank is accused on whichever kind separates it."""
         ring = self.replayer_of
         noise = self.noise
+        # The weak separations of the audits right before, if this is their re-audit.
+        previous_weak = self._weak if self._reauditing else []
+        self._weak = []
         self.stats.audits += 1
         self.stats.comparisons += len(comparisons)
         self.stats.differing += sum(not c.bitwise_equal for c in comparisons.values())
@@ -704,6 +713,35 @@ class ReplayAudit:
         if unseparated:
             evidence["unseparated_kinds"] = [noise.kinds[k].name for k in unseparated]
         accusing = {k: f for k, f in findings.items() if f.classification == "rank" and f.suspects}
+        # Weak separations: a rank is named when WEAK_AUDITS audits in a row (the last
+        # ones re-audits) separated it, alone (fresh noise, the same persistent fault);
+        # noise that sided against a healthy rank rarely repeats on the same rank, and
+        # never names it once.
+        weak = {k: f for k, f in findings.items() if f.classification == "weak"}
+        weak_ranks = {r for f in weak.values() for r in f.suspects}
+        if weak:
+            evidence["weakly_separated"] = sorted(self.topology.global_rank(r) for r in weak_ranks)
+        r = named_on_repeat(previous_weak, weak_ranks)
+        if not accusing and r is not None:
+            k = min(weak)
+            accusing = {
+                k: dataclasses.replace(
+                    weak[k],
+                    classification="rank",
+                    localized=True,
+                    transient=False,
+                    corroborated=True,
+                    message=(
+                        f"rank(s) {r} computed a wrong result at {WEAK_AUDITS} audits in a "
+                        "row: third nodes sided against it at each, by less than a clear "
+                        "separation (within a small multiple of the noise, or not many "
+                        "times nearer the other side), and the fresh noise of each "
+                        "re-audit left the same rank separated, alone (persistent)"
+                    ),
+                )
+            }
+        elif not accusing and len(weak_ranks) == 1:
+            self._weak = [*previous_weak, weak_ranks]
         if accusing:
             finding = _strongest(accusing, noise)
             evidence["evidence_kinds"] = sorted(
@@ -721,18 +759,18 @@ class ReplayAudit:
             return AuditOutcome(finding, evidence, False, self._note(notes), source, work)
         # Differences no free third separated: audited again at the next step (fresh
         # noise, the same fault), up to REAUDITS times in a row.
-        if unseparated and self._reaudits < REAUDITS:
+        if (unseparated or weak) and self._reaudits < REAUDITS:
             self._again = True
             self._reaudits += 1
         # Differences the recheck could not separate are not counted either: in a job that
         # is bit for bit reproducible they would make any later difference count as noise.
-        withheld = {p for k in unseparated for p in flagged[k]}
+        withheld = {p for k in [*unseparated, *weak] for p in flagged[k]}
         noise.count(c for p, c in comparisons.items() if p not in withheld)
         quiet = [f for f in findings.values() if f.classification == "nondeterministic"]
         return AuditOutcome(
             quiet[0] if quiet else None,
             evidence,
-            not self.blind and not unseparated,
+            not self.blind and not unseparated and not weak,
             self._note(notes),
         )
 
@@ -943,6 +981,12 @@ class ReplayAudit:
             for k in range(len(c.kinds))
         ]
 
+    def _within(self, k: int, distance: float, ranks: tuple[int, int]) -> bool:
+        """A distance from :func:`_distances` is within kind ``k``'s tolerance in force
+        for ``ranks`` (what :meth:`_agree` says of the two computations)."""
+        tolerance = self.noise.kinds[k].tolerance(ranks)
+        return distance == 0.0 or (tolerance > 0 and distance <= tolerance)
+
     def _mismatch_evidence(
         self, p: int, c: Comparison, flagged: dict[int, list[int]]
     ) -> dict[str, Any]:
@@ -976,6 +1020,9 @@ class ReplayAudit:
             "third": None if r.third is None else self.topology.global_rank(r.third),
             "third_agrees_with_original": r.third_agrees_original,
             "third_agrees_with_replay": r.third_agrees_replay,
+            "third_distance_to_original": _optional(r.third_to_original),
+            "third_distance_to_replay": _optional(r.third_to_replay),
+            "noise": r.noise,
             "owner_reproduces_its_result": r.rerun_reproduces,
             "replayer_reproduces_its_result": r.rereplay_reproduces,
         }
@@ -1047,8 +1094,8 @@ class ReplayAudit:
             if me == third.get(q) and q in works and q in replays:
                 payload, original = works[q]
                 mine = self._recompute(payload)
-                row[k, :, 2] = _flags(self._agree(original, mine, (me, q)))
-                row[k, :, 3] = _flags(self._agree(replays[q], mine, (me, ring[q])))
+                row[k, :, 2] = _distances(self.compare(original, mine))
+                row[k, :, 3] = _distances(self.compare(replays[q], mine))
         shape = (max(len(owners), 1), n, 4)
         table = [torch.tensor(t).reshape(shape).tolist() for t in self._gather(row)]
         out: dict[int, list[Recheck]] = {}
@@ -1057,13 +1104,25 @@ class ReplayAudit:
                 t = third.get(q)
                 if t is not None and not free_in(t, kind, suspects):
                     t = None
+                to_original = to_replay = None
+                agrees_original = agrees_replay = None
+                if t is not None:
+                    # -1: not computed (never, with a third chosen): agrees with nobody.
+                    to_original, to_replay = (
+                        math.inf if d < 0 else d for d in table[t][k][kind][2:]
+                    )
+                    agrees_original = self._within(kind, to_original, (t, q))
+                    agrees_replay = self._within(kind, to_replay, (t, ring[q]))
                 out.setdefault(kind, []).append(
                     Recheck(
                         owner=q,
                         replayer=ring[q],
                         third=t,
-                        third_agrees_original=None if t is None else table[t][k][kind][2] == 1.0,
-                        third_agrees_replay=None if t is None else table[t][k][kind][3] == 1.0,
+                        third_agrees_original=agrees_original,
+                        third_agrees_replay=agrees_replay,
+                        third_to_original=to_original,
+                        third_to_replay=to_replay,
+                        noise=self.noise.kinds[kind].tolerance((q, ring[q])),
                         rerun_reproduces=table[q][k][kind][0] == 1.0,
                         rereplay_reproduces=table[ring[q]][k][kind][1] == 1.0,
                         crowded=t is None and has_third_node[q],
@@ -1119,6 +1178,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _distances(c: Comparison) -> torch.Tensor:
+    """Per kind, how far two computations in the recheck are apart (relative; 0 where
+    bit for bit equal)."""
+    return torch.tensor([0.0 if d.equal else d.rel for d in c.kinds], dtype=torch.float64)
+
+
 def _flags(agree: list[bool]) -> torch.Tensor:
     return torch.tensor([float(a) for a in agree], dtype=torch.float64)
 
@@ -1147,6 +1212,10 @@ def _kind_of(findings: dict[int, ReplayFinding], chosen: ReplayFinding) -> int:
         if f.suspects == chosen.suspects and f.localized == chosen.localized:
             return k
     return next(iter(findings))
+
+
+def _optional(x: float | None) -> float | None:
+    return None if x is None else _finite(x)
 
 
 def _finite(x: float) -> float | None:

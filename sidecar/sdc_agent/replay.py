@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,9 @@ from .errors import SDCError
 from .fingerprint import _as_flat_bits
 
 __all__ = [
+    "NOISE_MULTIPLE",
+    "SEPARATION_RATIO",
+    "WEAK_AUDITS",
     "Payload",
     "Recheck",
     "ReplayFinding",
@@ -47,12 +50,14 @@ __all__ = [
     "free_in",
     "judge",
     "map_tensors",
+    "named_on_repeat",
     "pack",
     "plan_ring",
     "replay",
     "replay_complete",
     "resolve",
     "storm_threshold",
+    "strength",
     "suspects_by_kind",
     "unpack",
 ]
@@ -225,10 +230,13 @@ def free_in(third: int, kind: int, suspects: Mapping[int, set[int]]) -> bool:
 @dataclass(frozen=True, slots=True)
 class ReplayFinding:
     classification: str
-    """``rank`` (hardware), ``nondeterministic`` (accuses nobody: noise) or
+    """``rank`` (hardware), ``nondeterministic`` (accuses nobody: noise),
     ``unseparated`` (accuses nobody: differences that the recheck had no free third node
     to tell apart, see :attr:`Recheck.crowded`; the audit neither learns them as noise nor
-    vouches for the step)."""
+    vouches for the step) or ``weak`` (accuses nobody yet: third nodes sided against
+    ``suspects`` but not clearly, see :func:`strength`; the audit learns nothing from
+    them, does not vouch for the step, and names such a rank when the re-audits at the
+    next steps separate it again, alone: :data:`WEAK_AUDITS` audits in a row)."""
     suspects: tuple[int, ...]
     localized: bool
     transient: bool | None
@@ -256,6 +264,13 @@ class Recheck:
     """``q``'s rerun agrees with ``q``'s original."""
     rereplay_reproduces: bool
     """``R``'s second replay agrees with its first."""
+    third_to_original: float | None = None
+    """How far the third's replay is from ``q``'s original (relative, in this kind; 0
+    where bit for bit equal; ``None``: no third)."""
+    third_to_replay: float | None = None
+    """How far the third's replay is from ``R``'s replay (as :attr:`third_to_original`)."""
+    noise: float = 0.0
+    """The tolerance in force in this kind for ``q`` and ``R``: the noise learned."""
     crowded: bool = False
     """No third node was free in this kind, though the ring has one: every rank on a node
     other than ``q``'s and ``R``'s was itself rechecked, or replayed rechecked work, in a
@@ -284,6 +299,69 @@ def judge(recheck: Recheck) -> tuple[str, int | None, bool | None]:
     return "neither", None, None
 
 
+SEPARATION_RATIO = 4.0
+"""A third's replay separates a rank at once only when its distance to that rank's
+result is at least this many times its distance to the other side's (and above
+:data:`NOISE_MULTIPLE` times the kind's noise). Measured under the GPT-2's emulated bf16
+forward noise, seeds 2 to 8 (docs/agent.md): the thirds that sided against a healthy rank
+were 1.5 to 8.4 times nearer the other side at 1.0 to 1.8 times the tolerance (never past
+both 4 and 2); against a persistent 8 ulp or 1e-3 fault, 1.8 to 120 times at 1.3 to 4.8
+times the tolerance, 68 of 79 past both."""
+
+NOISE_MULTIPLE = 2.0
+"""... and its distance to the accused side is above this many times the tolerance in
+force for the pair (the noise learned in the kind): a separation no larger than twice
+the noise is weak whatever the ratio."""
+
+
+def strength(recheck: Recheck) -> str:
+    """``strong`` or ``weak``: how clearly the third node's replay separates the rank
+    :func:`judge` names (``none`` where it names nobody).
+
+    Strong: the third is at least :data:`SEPARATION_RATIO` times farther from the accused
+    side than from the other, and farther than :data:`NOISE_MULTIPLE` times the noise in
+    force. Where the third agrees bit for bit with the other side (a bit-reproducible job)
+    any difference is strong. Without the distances (older callers) the yes/no agreement
+    alone decides, as strong.
+    """
+    outcome, _, _ = judge(recheck)
+    if outcome not in ("owner", "replayer"):
+        return "none"
+    to_original, to_replay = recheck.third_to_original, recheck.third_to_replay
+    if to_original is None or to_replay is None:
+        return "strong"
+    accused, other = (to_original, to_replay) if outcome == "owner" else (to_replay, to_original)
+    if other == 0.0:
+        return "strong"
+    if accused >= SEPARATION_RATIO * other and accused > NOISE_MULTIPLE * recheck.noise:
+        return "strong"
+    return "weak"
+
+
+WEAK_AUDITS = 2
+"""Audits in a row (a scheduled one and the re-audit after it) that must each separate the
+same rank weakly, and only it, before weak separations name it. Measured in clean GPT-2
+runs under forward noise (7 seeds, 60 steps): about one audit in ten separated one healthy
+rank weakly, a third of their re-audits did so again, each time another rank (none named);
+by chance (one rank in five) two in a row on the same rank would come about once in 200
+audits under that noise, which sits at the cap. Three (about once in 3,000) cost a 1e-3
+fault's detection at one of seven seeds within two audit intervals (docs/agent.md)."""
+
+
+def named_on_repeat(
+    before: Sequence[Set[int]], now: Set[int], audits: int = WEAK_AUDITS
+) -> int | None:
+    """The rank weak separations name: the one rank that this audit (``now``, a re-audit)
+    and the ``audits - 1`` right before it (``before``, oldest first) each separated
+    weakly, alone. Fresh noise at each re-audit, the same persistent fault: a fault's rank
+    stays, while noise that sided against a healthy rank moves (several ranks at one
+    audit, another rank at the next); then nobody."""
+    chain = [*before, now][-audits:]
+    if len(chain) == audits and len(now) == 1 and all(c == now for c in chain):
+        return next(iter(now))
+    return None
+
+
 def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFinding:
     """The audit's finding from the ring's explanation and the second round."""
     if explanation.storm:
@@ -309,7 +387,28 @@ def resolve(explanation: Explanation, rechecks: Sequence[Recheck]) -> ReplayFind
             "a third node's replay agreed with neither side (or with both): the "
             "computation is not reproducible; no hardware is accused",
         )
+    # Weak separations (see strength()) name nobody here: the audit names such a rank
+    # only when the re-audits after it separate it again (named_on_repeat).
+    weak = sorted({s for r, o, s, _ in outcomes if s is not None and strength(r) == "weak"})
+    outcomes = [x for x in outcomes if x[2] is None or strength(x[0]) == "strong"]
     separated = any(o in ("owner", "replayer") for _, o, _, _ in outcomes)
+    if (
+        weak
+        and not separated
+        and not explanation.ambiguous
+        and not any(o == "unresolved" for _, o, _, _ in outcomes)
+    ):
+        listed = ", ".join(map(str, weak))
+        return ReplayFinding(
+            "weak",
+            tuple(weak),
+            False,
+            None,
+            f"a third node's replay sided against rank(s) {listed}, but not clearly: "
+            f"less than {SEPARATION_RATIO:g} times nearer the other side, or within "
+            f"{NOISE_MULTIPLE:g} times the noise; such a rank is named only if the "
+            f"re-audits at the next steps separate it again ({WEAK_AUDITS} audits in a row)",
+        )
     if crowded and not separated:
         # A rank is never named on evidence that does not separate it from healthy ranks:
         # with a third node in the ring but none free, some differing pairs are between

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.audit import audited_micro_batch
+from sdc_agent.audit import REAUDITS, audited_micro_batch
 from sdc_agent.drill import GPT2_MIDDLE, MARKED, Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 
@@ -102,6 +102,11 @@ for fault_name, kw in SMALL.items():
     SCENARIOS[f"gpt2_forward_{fault_name}"] = Drill(
         steps=20, faults=fault(TARGETS["gpt2"], **kw), noise_seed=2, **gpt2_forward
     )
+# The GPT-2's forward noise at other seeds, no fault: 20 steps each (bench/fault_sweep.py's
+# clean runs), where healthy pairs differ above the bf16 cap at some audits.
+CLEAN_SEEDS = range(2, 9)
+for seed in CLEAN_SEEDS:
+    SCENARIOS[f"gpt2_forward_clean_seed{seed}"] = Drill(steps=20, noise_seed=seed, **gpt2_forward)
 # Gradient accumulation: a fault that only the third micro-batch triggers, and no fault.
 for noise_name, noise in NOISE.items():
     SCENARIOS[f"{noise_name}_micro"] = Drill(
@@ -184,6 +189,21 @@ def test_no_healthy_rank_is_named_where_noise_reaches_the_faults_size(
     assert r.applied[first["step"] - 1] is False
 
 
+@pytest.mark.parametrize("seed", list(CLEAN_SEEDS))
+def test_noise_that_reaches_past_the_cap_names_no_healthy_rank_at_any_seed(
+    results: dict[str, list[DrillRank]], seed: int
+) -> None:
+    """Under the GPT-2's forward noise a third node's replay can 'agree' with one side of a
+    healthy pair and 'disagree' with the other at just past the cap: by yes/no agreement
+    that named a healthy rank at seeds 2, 3 and 6. Judged by how far it is from each side
+    (sdc_agent.replay.strength), with weak separations named only when the re-audit
+    repeats them on the same rank alone, nobody is named."""
+    r = agreed(results[f"gpt2_forward_clean_seed{seed}"])
+    assert accusations(r) == [], [v["message"] for v in r.verdicts]
+    assert all(r.applied)
+    assert not any("cannot verify" in v["message"] for v in r.verdicts)
+
+
 def test_randomness_outside_torchs_generators_is_named_as_the_cause(
     results: dict[str, list[DrillRank]],
 ) -> None:
@@ -228,7 +248,10 @@ def test_a_fault_only_one_micro_batch_triggers_is_caught_at_its_turn(
     assert turn <= MICRO_START - 1 + MICRO * EVERY
     assert all(v["step"] >= MICRO_START for v in accusations(r)), "named before the fault began"
     (first, *_) = accusations(r)
-    assert first["step"] == turn, (first["step"], turn, first["message"])
+    # At that audit, or at one of the re-audits that follow it (the same micro-batch
+    # index, the next steps) where that audit's third nodes separated the rank only weakly
+    # (sdc_agent.replay.strength): the issue's "4 x replay_every plus the re-run audits".
+    assert turn <= first["step"] <= turn + REAUDITS, (first["step"], turn, first["message"])
     assert (first["suspect_ranks"], first["localized"]) == ([SUSPECT], True), first["message"]
     assert r.applied[first["step"] - 1] is False
     assert all(r.applied[: turn - 1]), "no step before it was held back"

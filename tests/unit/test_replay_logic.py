@@ -12,6 +12,9 @@ from torch import nn
 from sdc_agent.audit import REAUDITS, audit_turn, audited_micro_batch
 from sdc_agent.errors import SDCError
 from sdc_agent.replay import (
+    NOISE_MULTIPLE,
+    SEPARATION_RATIO,
+    WEAK_AUDITS,
     Payload,
     Recheck,
     RngState,
@@ -19,10 +22,12 @@ from sdc_agent.replay import (
     explain_mismatches,
     free_in,
     judge,
+    named_on_repeat,
     plan_ring,
     replay,
     resolve,
     storm_threshold,
+    strength,
     suspects_by_kind,
 )
 
@@ -460,3 +465,108 @@ def test_an_unseparated_audit_is_followed_by_re_audits_of_the_same_micro_batch()
     assert audit_turn(10, every=5, drawn=False, again=True) == "scheduled"
     assert audit_turn(7, every=0, drawn=False, again=True) == "again"
     assert REAUDITS >= 1
+
+
+BF16_CAP = 2**-7
+"""The tolerance in force once a kind's noise reaches the bf16 cap (the GPT-2's forward
+noise)."""
+
+
+def _measured(to_original: float, to_replay: float, noise: float = BF16_CAP) -> Recheck:
+    """A recheck of rank 1's work (replayed by 2) with the third's distances to each
+    side, its yes/no agreement as the audit judges it at the tolerance ``noise``."""
+    return _recheck(
+        third_agrees_original=to_original <= noise,
+        third_agrees_replay=to_replay <= noise,
+        third_to_original=to_original,
+        third_to_replay=to_replay,
+        noise=noise,
+    )
+
+
+def test_a_third_barely_past_the_noise_on_one_side_names_nobody_at_once() -> None:
+    """Clean GPT-2 runs under forward noise (bench/fault_sweep.py, seeds 2-8): a third
+    'agreed' with one side and 'disagreed' with the other at 1.0-1.8 times the tolerance,
+    1.5 to 8.4 times nearer one side, and named a healthy rank. Each is weak now."""
+    e = explain_mismatches([1], RING4, max_mismatches=4)
+    # Measured, seed 3's first audit: rank 3 named, 0.00924 against 0.00217 (4.25 times).
+    # seed 7 at step 20: 0.00991 against 0.00119 (8.36 times), within twice the noise.
+    for to_original, to_replay in ((0.00924, 0.00217), (0.00991, 0.00119), (0.0144, 0.0078)):
+        r = _measured(to_original, to_replay)
+        assert judge(r)[:2] == ("owner", 1)  # the yes/no rule names the owner
+        assert strength(r) == "weak"
+        f = resolve(e, [r])
+        assert (f.classification, f.suspects, f.localized) == ("weak", (1,), False), f.message
+        assert "re-audit" in f.message
+    # The replayer's side alike.
+    f = resolve(e, [_measured(0.001, 0.0095)])
+    assert (f.classification, f.suspects) == ("weak", (2,))
+
+
+def test_a_clear_separation_names_the_rank_at_once() -> None:
+    """A persistent 8 ulp or 1e-3 fault: the third 5 to 120 times nearer the healthy side,
+    at 2 to 5 times the tolerance (the same sweep). Named at once, as before."""
+    e = explain_mismatches([1], RING4, max_mismatches=4)
+    r = _measured(0.0192, 0.000157)
+    assert strength(r) == "strong"
+    f = resolve(e, [r])
+    assert (f.classification, f.suspects, f.localized, f.corroborated) == ("rank", (1,), True, True)
+    # Both conditions: far enough past the noise, and that many times nearer the other side.
+    at = NOISE_MULTIPLE * BF16_CAP
+    assert strength(_measured(1.01 * at, 1.01 * at / SEPARATION_RATIO)) == "strong"
+    assert strength(_measured(0.99 * at, 0.0)) == "strong"  # bit for bit with the other side
+    assert strength(_measured(0.99 * at, 0.001)) == "weak"
+    assert strength(_measured(0.02, 0.02 / SEPARATION_RATIO * 1.01)) == "weak"
+
+
+def test_a_bit_reproducible_job_names_a_one_ulp_difference_at_once() -> None:
+    # No noise learned (tolerance 0) and the third bit for bit with the replay: any
+    # difference from the owner's result separates it, however small.
+    e = explain_mismatches([1], RING4, max_mismatches=4)
+    r = _measured(1.2e-7, 0.0, noise=0.0)
+    assert strength(r) == "strong"
+    assert resolve(e, [r]).suspects == (1,)
+    # Without distances (agreement alone) the old rule stands.
+    assert strength(_recheck()) == "strong"
+
+
+def test_a_clear_separation_is_named_and_a_weak_one_beside_it_is_not() -> None:
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    ring = plan_ring(nodes)
+    e = explain_mismatches([2, 1], ring, max_mismatches=storm_threshold(6))
+    clear = _recheck(
+        owner=2,
+        replayer=4,
+        third=1,
+        third_to_original=0.0374,
+        third_to_replay=0.000593,
+        noise=BF16_CAP,
+    )
+    # Noise beside it sided, weakly, against rank 3 (the replayer of rank 1's work).
+    weak = _recheck(
+        owner=1,
+        replayer=3,
+        third=4,
+        third_agrees_original=True,
+        third_agrees_replay=False,
+        third_to_original=0.00683,
+        third_to_replay=0.01,
+        noise=BF16_CAP,
+    )
+    f = resolve(e, [clear, weak])
+    assert (f.classification, f.suspects, f.localized) == ("rank", (2,), True), f.message
+
+
+def test_weak_separations_name_a_rank_only_when_re_audits_repeat_it_alone() -> None:
+    assert WEAK_AUDITS == 2
+    assert named_on_repeat([{2}], {2}) == 2  # the same rank, alone, twice in a row
+    assert named_on_repeat([{5}, {2}], {2}) == 2  # the last two count
+    assert named_on_repeat([], {2}) is None  # once: nobody
+    assert named_on_repeat([{3}], {2}) is None  # another rank: noise moved
+    assert named_on_repeat([{2}], {1, 2}) is None  # several ranks at once: noise
+    assert named_on_repeat([{1, 2}], {2}) is None
+    assert named_on_repeat([{2}], set()) is None
+    # Three in a row, where asked for.
+    assert named_on_repeat([{2}], {2}, audits=3) is None
+    assert named_on_repeat([{2}, {2}], {2}, audits=3) == 2
+    assert named_on_repeat([{2}, {3}], {2}, audits=3) is None
