@@ -36,7 +36,7 @@ def run_demo(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
     return done.stdout, demo
 
 
-@pytest.mark.slow  # the whole demo: about 2 min on 2 cores
+@pytest.mark.slow  # the whole demo: about 1 min on 2 cores (loaded)
 def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_path: Path) -> None:
     stdout, demo = run_demo(tmp_path)
 
@@ -108,7 +108,7 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
     assert "CONFIRMED" in demo["table"] and "confirmed" in demo["table"]
 
 
-@pytest.mark.slow  # the whole demo twice over, as HSDP: about 3 min on 2 cores
+@pytest.mark.slow  # the whole demo, as HSDP: about 1 min on 2 cores (loaded)
 def test_the_hsdp_variant_is_detected_contained_and_resumed_from_its_snapshot(
     tmp_path: Path,
 ) -> None:
