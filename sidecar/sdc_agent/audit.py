@@ -730,13 +730,19 @@ class ReplayAudit:
                     classification="rank",
                     localized=True,
                     transient=False,
-                    corroborated=True,
+                    # Rounding-level evidence: not corroborated, so the operator quarantines
+                    # nothing until the same node is caught again (a persistent fault is, at
+                    # the next audits) or a confirmation on the node says so; a chance
+                    # repeat under noise at the cap names another rank the next time.
+                    corroborated=False,
                     message=(
                         f"rank(s) {r} computed a wrong result at {WEAK_AUDITS} audits in a "
                         "row: third nodes sided against it at each, by less than a clear "
                         "separation (within a small multiple of the noise, or not many "
                         "times nearer the other side), and the fresh noise of each "
-                        "re-audit left the same rank separated, alone (persistent)"
+                        "re-audit left the same rank separated, alone (persistent); "
+                        "not corroborated: evidence this close to the noise quarantines "
+                        "nothing until the same node is caught again or confirmed"
                     ),
                 )
             }

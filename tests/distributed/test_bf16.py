@@ -132,6 +132,18 @@ SCENARIOS["transient_one_ulp"] = Drill(
 )
 
 
+IN_A_ROW = "audits in a row"
+"""What a verdict named on weak evidence repeated says (sdc_agent.audit)."""
+
+
+def assert_weak_repeats_uncorroborated(r: DrillRank) -> None:
+    """A rank named on weak separations repeated is named but not corroborated: the operator
+    quarantines nothing until the node is caught again or confirmed."""
+    for v in accusations(r):
+        if IN_A_ROW in v["message"]:
+            assert v["corroborated"] is False, v["message"]
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[DrillRank]]:
     """Every scenario in one spawn: six processes import torch (and transformers, for the
@@ -169,6 +181,9 @@ def test_a_fault_in_every_output_of_a_layer_is_named_within_two_intervals(
     assert first["evidence"]["evidence_kinds"], "the kind of evidence that accused is named"
     for v in accusations(r):  # later audits too: never a healthy rank
         assert v["suspect_ranks"] == [SUSPECT], (v["step"], v["suspect_ranks"], v["message"])
+    assert_weak_repeats_uncorroborated(r)
+    if (model, noise, kind) == ("gpt2", "forward", "rel1e-3"):  # weak, then repeated
+        assert IN_A_ROW in first["message"], first["message"]
     assert r.applied[first["step"] - 1] is False
     assert all(r.applied[: START - 1]), "no step before the fault was held back"
 
@@ -184,6 +199,7 @@ def test_no_healthy_rank_is_named_where_noise_reaches_the_faults_size(
     r = agreed(results[f"gpt2_forward_{kind}"])
     for v in accusations(r):
         assert v["suspect_ranks"] == [SUSPECT], (v["step"], v["suspect_ranks"], v["message"])
+    assert_weak_repeats_uncorroborated(r)
     (first, *_) = accusations(r)
     assert first["step"] <= START - 1 + 2 * EVERY and first["localized"], first["message"]
     assert r.applied[first["step"] - 1] is False
@@ -253,6 +269,7 @@ def test_a_fault_only_one_micro_batch_triggers_is_caught_at_its_turn(
     # (sdc_agent.replay.strength): the issue's "4 x replay_every plus the re-run audits".
     assert turn <= first["step"] <= turn + REAUDITS, (first["step"], turn, first["message"])
     assert (first["suspect_ranks"], first["localized"]) == ([SUSPECT], True), first["message"]
+    assert_weak_repeats_uncorroborated(r)
     assert r.applied[first["step"] - 1] is False
     assert all(r.applied[: turn - 1]), "no step before it was held back"
 
