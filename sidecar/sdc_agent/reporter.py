@@ -180,6 +180,7 @@ class Reporter:
         self._attempt = 0  # consecutive failed attempts: the back-off grows with them
         # Heartbeats and checkpoint records wait until both have passed (monotonic time):
         self._jitter_until = 0.0  # a heartbeat's jitter
+        self._hold_until = 0.0  # heartbeats held after a step with a verdict
         self._retry_until = 0.0  # the operator's Retry-After, or the back-off
         self._retry_after: float | None = None  # of the last answer, where it said one
         self._token: str | None = None
@@ -232,14 +233,15 @@ class Reporter:
             self._cond.notify_all()
 
     def hold_heartbeats(self, seconds: float) -> None:
-        """Send no heartbeat or checkpoint record for ``seconds`` from now, plus this
-        Reporter's jitter: the training side found a verdict at this step, so every node's
-        agent is about to report it (and the operator sheds heartbeats meanwhile). Verdicts
-        still go at once."""
+        """Send no heartbeat for ``seconds`` from now, plus this Reporter's jitter: the
+        training side found a verdict at this step, so every node's agent is about to
+        report it (and the operator sheds heartbeats meanwhile). Verdicts still go at once,
+        and so do checkpoint records, ahead of the held heartbeats: the operator waits for
+        the verified snapshot's record before it stops the job."""
         with self._cond:
             jitter = self.config.heartbeat_jitter_seconds
             until = time.monotonic() + seconds + (random.uniform(0, jitter) if jitter else 0.0)
-            self._jitter_until = max(self._jitter_until, until)
+            self._hold_until = max(self._hold_until, until)
             self._cond.notify_all()
 
     def _drop_one(self) -> None:
@@ -296,7 +298,7 @@ class Reporter:
         """Wait until everything queued is delivered or refused; false on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._jitter_until = 0.0
+            self._jitter_until = self._hold_until = 0.0
             self._cond.notify_all()
             while self._verdicts or self._others or self._in_flight is not None:
                 left = deadline - time.monotonic()
@@ -321,25 +323,37 @@ class Reporter:
 
     def _next(self) -> tuple[float, Report] | None:
         """The next report to send: a verdict at once, anything else once its jitter and
-        the operator's Retry-After have passed."""
+        the operator's Retry-After have passed, a heartbeat once the hold after a verdict
+        has too (a checkpoint record goes ahead of held heartbeats)."""
         with self._cond:
-            while not self._closed:
+            entry = None
+            while not self._closed and entry is None:
                 if self._verdicts:
-                    queue = self._verdicts
-                    break
-                if self._others:
-                    wait = max(self._jitter_until, self._retry_until) - time.monotonic()
+                    entry = self._verdicts.popleft()
+                elif self._others:
+                    now = time.monotonic()
+                    wait = max(self._jitter_until, self._retry_until) - now
                     if wait <= 0:
-                        queue = self._others
-                        break
-                    self._cond.wait(wait)
+                        held = self._hold_until - now
+                        entry = self._first_unheld(held > 0)
+                        wait = held
+                    if entry is None:
+                        self._cond.wait(wait)
                 else:
                     self._cond.wait()
             if self._closed:
                 return None
-            entry = queue.popleft()
             self._in_flight = entry
             return entry
+
+    def _first_unheld(self, holding: bool) -> tuple[float, Report] | None:
+        """Takes the first of the other reports that may go now: any, or while heartbeats
+        are held the first that is not one."""
+        for i, entry in enumerate(self._others):
+            if not holding or not isinstance(entry[1], HeartbeatReport):
+                del self._others[i]
+                return entry
+        return None
 
     def _run(self) -> None:
         try:

@@ -367,6 +367,26 @@ def test_held_heartbeats_wait_the_hold_and_verdicts_do_not(port: int, token: Pat
         operator.stop()
 
 
+def test_a_checkpoint_record_goes_ahead_of_held_heartbeats(port: int, token: Path) -> None:
+    """After a step with a verdict the heartbeats are held, not the checkpoint records: the
+    operator waits for the verified snapshot's record before it stops the job (before, the
+    record queued behind the hold, 10 s plus the jitter)."""
+    operator = Operator(port)
+    try:
+        reporter = make(port, token, heartbeat_jitter_seconds=0)
+        reporter.hold_heartbeats(60)
+        reporter.submit(heartbeat(1))
+        reporter.submit(CheckpointReport(ME, time.time(), 2, "/ckpt/sdc-snapshot-step_2", True))
+        deadline = time.monotonic() + 30
+        while "checkpoint" not in operator.kinds() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert operator.kinds() == ["checkpoint"], "the record waited for the hold"
+        assert reporter.flush(5)
+        assert operator.kinds() == ["checkpoint", "heartbeat"]
+    finally:
+        operator.stop()
+
+
 def test_settings_are_checked(tmp_path: Path) -> None:
     from sdc_agent.errors import ConfigError
 
