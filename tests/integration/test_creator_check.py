@@ -11,7 +11,6 @@ that can add the marker, on the real (1.20) API server.
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from sdc_harness.cluster import Cluster, OperatorProcess
+from sdc_harness.cluster import Cluster, OperatorProcess, await_webhooks
 from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from tests.chart.test_chart import render
@@ -47,7 +46,8 @@ def creator_check(cluster: Cluster, namespace: str, url: str, ca: Path, name: st
 def register(cluster: Cluster, check: dict[str, Any]) -> Callable[[], None]:
     admission = client.AdmissionregistrationV1Api(cluster.api)
     admission.create_validating_webhook_configuration(check)
-    time.sleep(1.0)  # the API server picks up new webhook configurations within a second
+    namespace = check["webhooks"][0]["namespaceSelector"]["matchLabels"][TEST_LABEL]
+    await_webhooks(cluster, [check], {TEST_LABEL: namespace})
     name = check["metadata"]["name"]
     return lambda: admission.delete_validating_webhook_configuration(name)
 

@@ -28,6 +28,7 @@ from sdc_harness.cluster import (
     ROOT,
     Cluster,
     OperatorProcess,
+    await_webhooks,
     controller_reference,
     served_here,
     wait_for,
@@ -74,6 +75,7 @@ def register_webhook(
     admission = client.AdmissionregistrationV1Api(cluster.api)
     admission.create_mutating_webhook_configuration(mutating)
     admission.create_validating_webhook_configuration(validating)
+    await_webhooks(cluster, [mutating, validating], {TEST_LABEL: namespace})
     return name
 
 
@@ -152,7 +154,6 @@ def setup(
         )
         name = register_webhook(cluster, op, ca[1], namespace, **(webhook or {}))
         registered.append(name)
-        time.sleep(1.0)  # the API server picks up new webhook configurations within a second
         return Setup(cluster, op, tmp_path, name)
 
     yield start
