@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.utils
 import functools
 import json
 import os
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -365,6 +367,16 @@ class Cluster:
 
     def events(self, namespace: str) -> list[dict[str, Any]]:
         return [e.to_dict() for e in self.core.list_namespaced_event(namespace).items]
+
+
+def server_time(cluster: Cluster) -> datetime:
+    """The API server's clock, to the second it stamps creation times with (the ``Date``
+    of its answer)."""
+    response = cluster.api.call_api(
+        "/version", "GET", auth_settings=["BearerToken"], _preload_content=False
+    )
+    response = response[0] if isinstance(response, tuple) else response
+    return email.utils.parsedate_to_datetime(response.headers["Date"])
 
 
 SHARED = {

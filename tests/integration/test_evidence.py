@@ -6,11 +6,11 @@ is a new incident that stops the job again."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
-from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
+from sdc_harness.cluster import Cluster, OperatorProcess, server_time, wait_for
+from sdc_operator.incidents import job_stopped_at, parse_time
 from sdc_operator.names import SUSPECT_KEY
 
 from .test_containment import Job, make_job, send, verdict
@@ -169,7 +169,10 @@ def test_a_second_detection_after_a_resume_is_a_new_incident_that_stops_the_job_
     )  # fmt: skip
     assert cluster.get_job(namespace, job.name)["spec"]["runPolicy"]["suspend"] is False
     # the training operator recreates the pods (new uids), off the quarantined node
-    time.sleep(1.1)  # creation times are in seconds: the new pods are visibly newer
+    # creation times are in whole seconds: the new pods are made once the API server's
+    # clock has passed the second in which the job was stopped, so they are visibly newer
+    stopped = parse_time(str(job_stopped_at(first)))
+    wait_for("a second past the stop", lambda: server_time(cluster) >= stopped)
     for pod in job.pods:
         cluster.core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
     wait_for("the old pods gone", lambda: not cluster.core.list_namespaced_pod(namespace).items)

@@ -7,8 +7,18 @@ import re
 import time
 from collections.abc import Callable
 
+from kubernetes import client
+
 from sdc_agent.protocol import HeartbeatReport, ReplayKind, ReporterIdentity, encode_report
-from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
+from sdc_harness.cluster import (
+    OPERATOR_NAMESPACE,
+    Cluster,
+    OperatorProcess,
+    post,
+    shared_settings,
+    wait_for,
+)
+from sdc_operator.leader import HEARTBEATS_ANNOTATION, MEMBER_LABEL
 
 from .test_containment import Job, make_job
 
@@ -20,6 +30,19 @@ def api_calls(op: OperatorProcess) -> float:
         if line.startswith("hyperpod_sdc_api_requests_total{") and 'verb="watch"' not in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def in_member_lease(cluster: Cluster, namespace: str, job: Job) -> bool:
+    """The operator's member Lease says when it last heard from the job."""
+    lease = shared_settings(namespace)["HYPERPOD_SDC_LEASE_NAME"]
+    found = client.CoordinationV1Api(cluster.api).list_namespaced_lease(
+        OPERATOR_NAMESPACE, label_selector=f"{MEMBER_LABEL}={lease[:63]}"
+    )
+    key = f"{namespace}/{job.body['metadata']['uid']}"
+    return any(
+        key in (item.metadata.annotations or {}).get(HEARTBEATS_ANNOTATION, "")
+        for item in found.items
+    )
 
 
 def beat(job: Job, i: int, step: int) -> bytes:
@@ -53,7 +76,8 @@ def test_heartbeats_cost_no_api_call_become_metrics_and_silence_is_told(
     tokens = [cluster.token(namespace, pod) for pod in job.pods]
     for i in range(3):  # the first of each token costs its TokenReview
         assert post(op.url, beat(job, i, 100), tokens[i])[0] == 202
-    time.sleep(1.5)  # the member Lease writes of the first rounds
+    # the member Lease's first writes (made, then naming the job) are not counted below
+    wait_for("the job in the member Lease", lambda: in_member_lease(cluster, namespace, job))
     before = api_calls(op)
     started = time.monotonic()
     for step in range(101, 121):
