@@ -20,6 +20,11 @@ Under gradient accumulation (4 micro-batches), a fault only the third micro-batc
 trigger (1e-3 relative in every output of the first layer, one rank, from step 21, in the
 second, shuffled cycle of audits) is caught at the first audit whose turn that micro-batch
 is (step 35), within 4 audit intervals of its start.
+
+The clean runs under each noise train 40 steps here (8 audits: the noise learned at the
+first, the re-audits, verified steps after each) and 200 in ``bench/clean_runs.py``, which runs
+these same tests at that length (``HYPERPOD_SDC_LONG_CLEAN_RUNS=1``; its results are in
+bench/results).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from sdc_agent.audit import REAUDITS, audited_micro_batch
 from sdc_agent.drill import GPT2_MIDDLE, MARKED, Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 
-from .drills import accusations, agreed, run_scenarios
+from .drills import accusations, agreed, clean_steps, run_scenarios
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -54,6 +59,8 @@ MICRO = 4
 MICRO_START = 21
 """After the first cycle of audits (in order): the fault's turn comes in a shuffled one."""
 MICRO_STEPS = MICRO_START - 1 + MICRO * EVERY
+CLEAN_STEPS = clean_steps(40)
+"""The clean runs under each noise: 8 audit intervals in the suite, 200 steps in the bench."""
 
 
 MODELS: dict[str, dict[str, Any]] = {"mlp": {}, "gpt2": {"model": "gpt2", "width": 32}}
@@ -84,7 +91,7 @@ def fault(target: str = "3", **kw: Any) -> tuple[FaultSpec, ...]:
 SCENARIOS: dict[str, Drill] = {}
 for noise_name, noise in NOISE.items():
     SCENARIOS[f"{noise_name}_clean"] = Drill(
-        steps=200, autocast=True, config=CONFIG, noise_seed=1, **noise
+        steps=CLEAN_STEPS, autocast=True, config=CONFIG, noise_seed=1, **noise
     )
     for fault_name, kw in FAULTS.items():
         SCENARIOS[f"{noise_name}_{fault_name}"] = Drill(
@@ -92,7 +99,7 @@ for noise_name, noise in NOISE.items():
         )
 for noise_name, noise in NOISE.items():
     gpt2 = {**MODELS["gpt2"], **noise, "autocast": True, "config": CONFIG}
-    SCENARIOS[f"gpt2_{noise_name}_clean"] = Drill(steps=200, noise_seed=1, **gpt2)
+    SCENARIOS[f"gpt2_{noise_name}_clean"] = Drill(steps=CLEAN_STEPS, noise_seed=1, **gpt2)
     for fault_name, kw in FAULTS.items():
         SCENARIOS[f"gpt2_{noise_name}_{fault_name}"] = Drill(
             steps=20, faults=fault(TARGETS["gpt2"], **kw), noise_seed=2, **gpt2
@@ -156,8 +163,10 @@ def results() -> dict[str, list[DrillRank]]:
 def test_bf16_noise_alone_names_nobody_and_keeps_verifying(
     results: dict[str, list[DrillRank]], noise: str, model: str
 ) -> None:
+    """40 steps here, 200 in bench/clean_runs.py (issue 21's length): the same assertions."""
     r = agreed(results[f"{noise}_clean" if model == "mlp" else f"gpt2_{noise}_clean"])
     assert accusations(r) == [], [v["message"] for v in r.verdicts]
+    assert len(r.applied) == CLEAN_STEPS
     assert sum(r.applied) >= 0.99 * len(r.applied)
     assert not any("cannot verify" in v["message"] for v in r.verdicts)
     # Reported once: the noise learned at the first audit.

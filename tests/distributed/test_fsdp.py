@@ -3,8 +3,9 @@ replicate 3 x shard 2), on real gloo process groups: 6 ranks on 3 emulated nodes
 
 Each layout runs every scenario in one spawn (a module-scoped world per layout). Ranks are
 consecutive on their node (``n0, n0, n1, n1, n2, n2``), so in HSDP each replica group is
-one node and the replicas of a shard are on three different nodes. The 200-step clean runs
-(slow) join that spawn only in a session that runs their test.
+one node and the replicas of a shard are on three different nodes. The long clean runs train
+20 steps here (4 audit intervals, 5 rounds of the update check's 4 slices) and 200 in
+``bench/clean_runs.py``, which runs the same test at that length (results in bench/results).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
 AUDIT = {"weights_every": 1, "replay_every": 1, "fingerprint_backend": "eager"}
 # The long clean runs: check 3 (HSDP) or the update check (FSDP) every step, an audit every
-# 5 steps (40 audits, 240 replay comparisons).
-LONG_STEPS = 200
+# 5 steps (4 audits and 24 replay comparisons in the suite; 40 and 240 in the bench).
+LONG_STEPS = drills.clean_steps(20)
 LONG_REPLAY_EVERY = 5
 LONG = {"weights_every": 1, "replay_every": LONG_REPLAY_EVERY, "fingerprint_backend": "eager"}
 # A small relative error in a whole hidden layer's output (4.0001 instead of 4.0000).
@@ -38,13 +39,15 @@ def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
     return FaultSpec(rank=rank, step=step, site=site, kind=kind, **kw)  # type: ignore[arg-type]
 
 
-def scenarios(layout: str, long_runs: bool) -> dict[str, Drill]:
+def scenarios(layout: str) -> dict[str, Drill]:
     def drill(**kw: Any) -> Drill:
         return Drill(layout=layout, **kw)
 
     out = {
         "clean": drill(steps=12, config=AUDIT),
         "plain": drill(steps=12, guarded=False),
+        "long_clean": drill(steps=LONG_STEPS, config=LONG),
+        "long_plain": drill(steps=LONG_STEPS, guarded=False),
         "accumulation_clean": drill(steps=4, micro_batches=3, config=AUDIT),
         "accumulation_plain": drill(steps=4, micro_batches=3, guarded=False),
         "grad_local_nan": drill(steps=5, faults=(fault(3, 3, "grad_local", "nan"),), config=AUDIT),
@@ -94,11 +97,6 @@ def scenarios(layout: str, long_runs: bool) -> dict[str, Drill]:
             config={**EVERY_STEP, "weights_every": 4},
         ),
     }
-    if long_runs:
-        out |= {
-            "long_clean": drill(steps=LONG_STEPS, config=LONG),
-            "long_plain": drill(steps=LONG_STEPS, guarded=False),
-        }
     return out
 
 
@@ -138,19 +136,10 @@ EXPECTED: dict[str, dict[str, Expected]] = {
 }
 
 
-def _runs_long(request: pytest.FixtureRequest) -> bool:
-    """Whether this session runs the slow 200-step test (a tier without slow tests, or a
-    selection of other tests, leaves it out, and the spawn trains 400 steps less)."""
-    return any(
-        item.path == request.path and item.get_closest_marker("slow") is not None
-        for item in request.session.items
-    )
-
-
 @pytest.fixture(scope="module", params=["hsdp", "fsdp"])
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     layout = request.param
-    return layout, drills.run_scenarios(NODES, scenarios(layout, _runs_long(request)))
+    return layout, drills.run_scenarios(NODES, scenarios(layout))
 
 
 def agreed(ranks: list[DrillRank]) -> DrillRank:
@@ -189,12 +178,11 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     assert len(shards) == (2 if layout == "hsdp" else len(NODES))
 
 
-@pytest.mark.slow
-def test_200_clean_steps_name_nobody_and_train_bitwise_like_plain_fsdp(
+def test_long_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     world: tuple[str, dict[str, list[DrillRank]]],
 ) -> None:
+    """20 steps here, 200 in bench/clean_runs.py (issue 26's length): the same assertions."""
     layout, results = world
-    assert "long_clean" in results, "the world was built without the long runs"
     r = agreed(results["long_clean"])
     assert r.verdicts == []
     assert r.applied == [True] * LONG_STEPS
