@@ -4,7 +4,8 @@ as a real process. Used by tests/integration/test_scale.py and bench/operator_sc
 
 The senders behave as :class:`sdc_agent.reporter.Reporter` does (HTTP POST, 5 s timeout,
 retries of 408, 429, 5xx and connection errors after a full-jitter back-off from 0.5 s,
-doubling), and record every attempt, which the Reporter does not expose.
+doubling; with ``retry_after``, a heartbeat's ``Retry-After`` waited out too), and record
+every attempt, which the Reporter does not expose.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,15 +43,31 @@ class Sender:
     delivered_at: float | None = None
 
 
+SETUP_THREADS = 8
+"""Requests made at once while a storm's objects are made: each waits mostly on the API
+server (about 10 ms of a sequential request's 20-40 ms on the loaded 2-core machine)."""
+
+
 def job_of(cluster: Cluster, namespace: str, nodes: int) -> tuple[Job, list[str]]:
     """A job of ``nodes`` pods, one per new node, attested; and each pod's token."""
-    created = [cluster.node() for _ in range(nodes)]
     body = cluster.job(namespace, "storm", replicas=nodes)
     pods = ["storm-master-0"] + [f"storm-worker-{i}" for i in range(nodes - 1)]
-    for pod, node in zip(pods, created, strict=True):
-        cluster.pod(namespace, pod, node["metadata"]["name"], body)
-    job = Job(namespace, "storm", body, created, pods)
-    return job, [cluster.token(namespace, pod) for pod in pods]
+    with ThreadPoolExecutor(SETUP_THREADS) as pool:
+        created = list(pool.map(lambda _: cluster.node(), range(nodes)))
+        list(
+            pool.map(
+                lambda pod, node: cluster.pod(namespace, pod, node["metadata"]["name"], body),
+                pods,
+                created,
+            )
+        )
+    return Job(namespace, "storm", body, created, pods), tokens(cluster, namespace, pods)
+
+
+def tokens(cluster: Cluster, namespace: str, pods: list[str]) -> list[str]:
+    """Each pod's token (a TokenRequest bound to the pod), in the order of ``pods``."""
+    with ThreadPoolExecutor(SETUP_THREADS) as pool:
+        return list(pool.map(lambda pod: cluster.token(namespace, pod), pods))
 
 
 def _send(
@@ -60,9 +78,12 @@ def _send(
     start: threading.Event,
     context: ssl.SSLContext | None = None,
     source: str | None = None,
+    retry_after: bool = False,
 ) -> None:
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname and parts.port
+    # the Reporter waits out a Retry-After for anything but a verdict
+    heeds = retry_after and json.loads(body).get("kind") != "verdict"
     start.wait()
     attempt = 0
     deadline = time.monotonic() + 120
@@ -70,6 +91,7 @@ def _send(
     while time.monotonic() < deadline:
         began = time.monotonic()
         outcome = ""
+        told: str | None = None
         conn: http.client.HTTPConnection = (
             http.client.HTTPSConnection(
                 parts.hostname,
@@ -93,6 +115,7 @@ def _send(
             response = conn.getresponse()
             response.read()
             outcome = str(response.status)
+            told = response.getheader("Retry-After")
         except (OSError, http.client.HTTPException) as exc:
             outcome = type(exc).__name__
         finally:
@@ -103,7 +126,10 @@ def _send(
             return
         if outcome.isdigit() and int(outcome) not in (408, 429) and int(outcome) < 500:
             return  # refused: the agent does not retry
-        time.sleep(random.uniform(0, min(30.0, 0.5 * 2**attempt)))
+        wait = random.uniform(0, min(30.0, 0.5 * 2**attempt))
+        if heeds and told is not None:
+            wait = max(wait, min(float(told), 3600.0))
+        time.sleep(wait)
         attempt += 1
 
 
@@ -113,14 +139,20 @@ def burst(
     tokens: list[str],
     context: ssl.SSLContext | None = None,
     sources: list[str] | None = None,
+    retry_after: bool = False,
 ) -> tuple[list[Sender], float]:
     """Every body sent at once, each from its own thread and connection (from
-    ``sources[i]`` where given); the senders and the monotonic time they were released."""
+    ``sources[i]`` where given); the senders and the monotonic time they were released.
+    ``retry_after``: a heartbeat answered with ``Retry-After`` waits that long (its back-off,
+    if longer), as the Reporter's does; without it, the back-off alone (the senders of
+    bench/operator_scale.py's storms so far, which retry a shed heartbeat sooner)."""
     start = threading.Event()
     senders = [Sender() for _ in bodies]
     where = sources or [None] * len(bodies)  # type: ignore[list-item]
     threads = [
-        threading.Thread(target=_send, args=(url, b, t, s, start, context, a), daemon=True)
+        threading.Thread(
+            target=_send, args=(url, b, t, s, start, context, a, retry_after), daemon=True
+        )
         for b, t, s, a in zip(bodies, tokens, senders, where, strict=True)
     ]
     for thread in threads:
