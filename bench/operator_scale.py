@@ -43,6 +43,8 @@ operator's, the lease's fate, and where it departs from the chart:
         --replicas 2 [--replica-down]
     flock /tmp/cpu.lock .venv/bin/python bench/operator_scale.py --production --nodes 2048 \
         --profile /tmp/op.prof    # then: python -m pstats /tmp/op.prof
+    flock /tmp/cpu.lock .venv/bin/python bench/operator_scale.py --production --nodes 2048 \
+        --trace /tmp/op.json      # every API call, the loop's lateness (bench/traced_operator.py)
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ def production(
     profile: Path | None = None,
     down: bool = False,
     keep_logs: Path | None = None,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
@@ -288,6 +291,9 @@ def production(
             if profile is not None and r == 0:
                 extra = {"SDC_BENCH_PROFILE": str(profile)}
                 module = "bench.profiled_operator"
+            elif trace is not None and r == 0:
+                extra = {"SDC_BENCH_TRACE": str(trace)}
+                module = "bench.traced_operator"
             ops.append(
                 OperatorProcess(
                     cluster,
@@ -386,6 +392,7 @@ def production(
                         spent["generator_cpu_s"] / max(0.01, sum(operator_cpu)), 2
                     ),
                     "wall_s": round(time.monotonic() - released, 2),
+                    "released_at_unix": round(wall, 3),
                 }
                 result[label] = got
                 time.sleep(6)
@@ -476,6 +483,14 @@ def main() -> None:
         "to this file, one size only (read it with python -m pstats)",
     )
     parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="--production: run the (first) operator with a timeline of its API calls, its "
+        "event loop's lateness and its stacks, written to this file as JSON "
+        "(bench/traced_operator.py), one size only",
+    )
+    parser.add_argument(
         "--keep-logs",
         type=Path,
         default=None,
@@ -495,6 +510,7 @@ def main() -> None:
                         args.profile,
                         args.replica_down,
                         args.keep_logs,
+                        args.trace,
                     )
                 )
                 print(json.dumps(runs[-1]), file=sys.stderr)

@@ -8,7 +8,10 @@ Two halves, with their own API clients so neither waits for the other:
   containment has started) is answered from memory without an API call. A replica that is
   not the leader records too, so a report that reaches it is not lost.
 - **Containment** (the leader only): :meth:`IncidentEngine.reconcile` takes the first
-  action the status does not record as done. Each action is recorded ``Pending`` with what
+  action the status does not record as done. Given a ``lane`` (:mod:`.lane`), every
+  reconcile runs on that thread's event loop, with the ``containment`` client made for it:
+  its sequential API calls do not each wait for a turn of the intake's loop behind a storm
+  of reports. Each action is recorded ``Pending`` with what
   identifies it before it is taken and its result after; one found ``Pending`` (after a
   crash, a conflict or a change of leader) is verified before it is taken again
   (:mod:`.actions`).
@@ -48,6 +51,7 @@ from .incidents import (
     parse_time,
 )
 from .kube import Kube, is_conflict, is_not_found
+from .lane import LoopThread
 from .metrics import Metrics
 from .policy import POLICY_CAUTION, Admission, namespace_admission
 from .remediate import HyperPodNodes
@@ -85,8 +89,11 @@ class IncidentEngine:
         records: Kube,
         containment: Kube,
         hyperpod: HyperPodNodes | None = None,
+        lane: LoopThread | None = None,
     ) -> None:
         self.settings = settings
+        self._lane = lane
+        """Where containment runs (reconciles, resync passes, sweeps); ``None``: here."""
         self.rules = Rules.of(settings)
         self.metrics = metrics
         self.caches = caches
@@ -101,6 +108,10 @@ class IncidentEngine:
         """Seconds per training step of a job (by uid) from its heartbeats, where known:
         the lost work's GPU-hours estimate (set by the handlers to the heartbeats')."""
         self._locks: dict[Key, asyncio.Lock] = {}
+        """The records' writes of an incident, one at a time."""
+        self._contain_locks: dict[Key, asyncio.Lock] = {}
+        """The containment's (on the lane): a records write and a containment write of the
+        same incident may cross, as two replicas' may; each carries its resourceVersion."""
         self._pending: dict[Key, list[_Fold]] = {}
         self._flushers: dict[Key, asyncio.Task[None]] = {}
         self._reconciles: dict[Key, asyncio.Task[None]] = {}
@@ -117,6 +128,16 @@ class IncidentEngine:
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
+
+    def _contain_lock(self, key: Key) -> asyncio.Lock:
+        return self._contain_locks.setdefault(key, asyncio.Lock())
+
+    def _elsewhere(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Whether ``fn(*args)`` was handed to the lane's loop (the caller runs elsewhere)."""
+        if self._lane is None or self._lane.here():
+            return False
+        self._lane.call(fn, *args)
+        return True
 
     def _current(self, key: Key) -> dict[str, Any] | None:
         return self.caches.incidents.get(*key)
@@ -475,9 +496,10 @@ class IncidentEngine:
                 key = (meta.get("namespace", ""), meta.get("name", ""))
                 for memory in (self._seen, self._extra, self._agreed_at, self._waiting):
                     memory.pop(key, None)
-                lock = self._locks.get(key)
-                if lock is not None and not lock.locked():
-                    del self._locks[key]
+                for locks in (self._locks, self._contain_locks):
+                    lock = locks.get(key)
+                    if lock is not None and not lock.locked():
+                        locks.pop(key, None)
             return
         if not self.leader:
             return
@@ -525,12 +547,17 @@ class IncidentEngine:
 
     def become_standby(self) -> None:
         self.leader = False
+        if self._elsewhere(self._stop_reconciles):
+            return
+        self._stop_reconciles()
+
+    def _stop_reconciles(self) -> None:
         for task in list(self._reconciles.values()):
             task.cancel()
 
     def schedule(self, namespace: str, name: str) -> None:
         """Reconcile in the background (from a record, a watch event or the resync)."""
-        if not self.leader:
+        if not self.leader or self._elsewhere(self.schedule, namespace, name):
             return
         key = (namespace, name)
         running = self._reconciles.get(key)
@@ -562,7 +589,7 @@ class IncidentEngine:
 
     async def reconcile(self, namespace: str, name: str) -> None:
         key = (namespace, name)
-        async with self._lock(key):
+        async with self._contain_lock(key):
             for _ in range(_MAX_STEPS):
                 if not self.leader:
                     return
@@ -875,7 +902,7 @@ class IncidentEngine:
             )
             async with contextlib.AsyncExitStack() as held:
                 for key in readers:
-                    await held.enter_async_context(self._lock(key))
+                    await held.enter_async_context(self._contain_lock(key))
                 now = self.caches.pods.get(namespace, name)
                 if not self.leader or now is None or now["metadata"].get("uid") != uid:
                     continue
@@ -927,7 +954,7 @@ class IncidentEngine:
         ``hyperpod_sdc_resyncs_total`` goes up once every reconcile it drove and the sweep
         have ended (counted passes never overlap, so two increments after a moment mean a
         whole pass began and ended after it)."""
-        if not self.leader:
+        if not self.leader or self._elsewhere(self.resync):
             return
         driven: list[asyncio.Task[Any]] = []
         for incident in self.caches.incidents.values():
@@ -953,10 +980,25 @@ class IncidentEngine:
             self.metrics.resyncs.inc()
 
     async def close(self) -> None:
-        tasks = [*self._reconciles.values(), *self._flushers.values(), *self._background]
-        for extra in (self._pass, self._sweep):
-            if extra is not None:
-                tasks.append(extra)
+        """Cancel what runs here and on the lane."""
+        if self._lane is not None and self._lane.alive and not self._lane.here():
+            await self._lane.run(self._cancel_tasks())
+        await self._cancel_tasks()
+
+    async def _cancel_tasks(self) -> None:
+        """Cancel this loop's tasks, and wait for them."""
+        here = asyncio.get_running_loop()
+        tasks = [
+            task
+            for task in (
+                *list(self._reconciles.values()),
+                *list(self._flushers.values()),
+                *list(self._background),
+                self._pass,
+                self._sweep,
+            )
+            if task is not None and task.get_loop() is here
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

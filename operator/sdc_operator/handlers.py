@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from .errors import ApiError, OperatorError
 from .heartbeats import Heartbeats
 from .intake import Intake, json_error_middleware
 from .kube import Endpoint, Kube
+from .lane import LoopThread
 from .leader import ElectionThread, Members
 from .listeners import GuardedSite
 from .localize import InstanceResolver
@@ -98,7 +100,13 @@ class Operator:
         self.watches = Kube(endpoint, name="watch", metrics=metrics)  # sized below
         self.lookups = Kube(endpoint, name="intake", pool_size=32, metrics=metrics)
         self.records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
+        # Containment (suspend, quarantine, their records) runs on a thread and event loop
+        # of its own, like the election, with a pool used there only: its sequential calls
+        # do not each wait for a turn of the intake's loop (docs/operator.md).
+        self.lane = LoopThread("containment")
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
+        # Retention's deletions (every 10 minutes, on this loop) have their own small pool.
+        self.retention = Kube(endpoint, name="retention", pool_size=2, metrics=metrics)
         self.coordination = Kube(endpoint, name="election", pool_size=2, metrics=metrics)
         # The member Leases (every few seconds, and a LIST on the leader) have their own
         # pool: a slow one must not hold up a renewal.
@@ -126,6 +134,7 @@ class Operator:
             records=self.records,
             containment=self.containment,
             hyperpod=self.hyperpod,
+            lane=self.lane,
         )
         self.heartbeats = Heartbeats(metrics)
         self.engine.step_seconds = self.heartbeats.step_seconds
@@ -159,19 +168,27 @@ class Operator:
             api_server=self.api_server,
         )
 
+    def _here(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on this operator's loop: a cache changed by the containment's
+        thread (its own writes, read back at once) tells the engine here."""
+        if threading.get_ident() == self._thread:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
+
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
-            self.engine.on_incident(old, new)
+            self._here(self.engine.on_incident, old, new)
 
     def _on_policy(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         # A policy's change (its approvals, a cluster admin's decision) drives the incidents
         # now, not at the next resync.
         if self.engine_ready:
-            self.engine.resync()
+            self._here(self.engine.resync)
 
     def _on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
-            self.engine.on_pod(old, new)
+            self._here(self.engine.on_pod, old, new)
 
     def _authenticator(self) -> Authenticator:
         s = self.settings
@@ -193,6 +210,8 @@ class Operator:
 
     async def start(self) -> None:
         s = self.settings
+        self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
+        self.lane.start()
         while True:
             try:
                 self.key = await load_key(
@@ -359,12 +378,12 @@ class Operator:
             )
             log.warning("job %s/%s: %s", beats.job.namespace, beats.job.name, message)
             # one Event per silence (a job may fall silent again later)
-            await self.engine.effects.emit(
+            await self.engine.recorded.emit(
                 job, "SDCAgentsSilent", message, True, occurrence=f"after {beats.last:.3f}"
             )
         for beats in came:
             job = self._job_body(beats.job)
-            await self.engine.effects.emit(
+            await self.engine.recorded.emit(
                 job,
                 "SDCAgentsReporting",
                 "heartbeats arrive again",
@@ -392,7 +411,7 @@ class Operator:
         if self.engine.leader:
             await retention.sweep(
                 self.caches,
-                self.containment,
+                self.retention,
                 self.settings.incident_retention_days,
                 self.engine.rules_for,
                 self.metrics,
@@ -408,13 +427,16 @@ class Operator:
         for runner in self._runners:
             await runner.cleanup()
         await self.engine.close()
+        if self.lane.alive:
+            await self.lane.run(self.containment.close())  # (its session lives there)
+            await self.lane.stop()
         await self.caches.stop()
         self.hyperpod.close()
         for kube in (
             self.watches,
             self.lookups,
             self.records,
-            self.containment,
+            self.retention,
             self.membership,
         ):
             await kube.close()

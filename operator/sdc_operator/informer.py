@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Hashable, Iterable
+import threading
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Any
 
 from .errors import ApiError
@@ -88,6 +89,10 @@ class Informer:
         self._indexers: dict[str, Indexer] = {}
         self._indexes: dict[str, dict[Hashable, set[str]]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._writing = threading.Lock()
+        """Held while the items and indexes change: the containment's thread
+        (:mod:`.lane`) puts its writes in too. Readers take snapshots (``list``, ``tuple``:
+        one step under the GIL), so they need no lock."""
 
     @property
     def what(self) -> str:
@@ -111,7 +116,7 @@ class Informer:
         self._indexes[name] = index
 
     def by(self, index: str, value: Hashable) -> list[dict[str, Any]]:
-        keys = self._indexes[index].get(value) or ()
+        keys = tuple(self._indexes[index].get(value) or ())
         return [self.items[k] for k in keys if k in self.items]
 
     # -- writing ---------------------------------------------------------------------------
@@ -126,26 +131,40 @@ class Informer:
 
     def _store(self, obj: dict[str, Any]) -> None:
         key = key_of(obj)
-        old = self.items.get(key)
-        if old is not None and not is_newer(obj, old):
-            return
-        if old is not None:
-            self._unindex(key, old)
-        self.items[key] = obj
-        for name, indexer in self._indexers.items():
-            for value in indexer(obj):
-                self._indexes[name].setdefault(value, set()).add(key)
+        with self._writing:
+            old = self.items.get(key)
+            if old is not None and not is_newer(obj, old):
+                return
+            self.items[key] = obj
+            # the new entries first, then the stale ones out: a reader on another thread
+            # never finds the object missing from an index it is still in
+            for name, indexer in self._indexers.items():
+                values = set(indexer(obj))
+                for value in values:
+                    self._indexes[name].setdefault(value, set()).add(key)
+                if old is not None:
+                    self._unindex(key, old, name, keep=values)
         self._changed(old, obj)
 
     def _remove(self, key: str) -> None:
-        old = self.items.pop(key, None)
+        with self._writing:
+            old = self.items.pop(key, None)
+            if old is not None:
+                self._unindex(key, old)
         if old is not None:
-            self._unindex(key, old)
             self._changed(old, None)
 
-    def _unindex(self, key: str, obj: dict[str, Any]) -> None:
+    def _unindex(
+        self, key: str, obj: dict[str, Any], only: str | None = None, keep: Collection[Any] = ()
+    ) -> None:
+        """``key`` out of each index (``only``: that one) under ``obj``'s values but
+        ``keep``."""
         for name, indexer in self._indexers.items():
+            if only is not None and name != only:
+                continue
             for value in indexer(obj):
+                if value in keep:
+                    continue
                 keys = self._indexes[name].get(value)
                 if keys is not None:
                     keys.discard(key)
@@ -225,7 +244,7 @@ class Informer:
         # the operator's own write (upsert) or a watch event that came in while the pages
         # were read. Removing that would make a write vanish until the next event.
         snapshot = _version({"metadata": {"resourceVersion": version}})
-        for key in [k for k in self.items if k not in seen]:
+        for key in [k for k in list(self.items) if k not in seen]:
             found = _version(self.items[key])
             if snapshot is not None and found is not None and found > snapshot:
                 continue

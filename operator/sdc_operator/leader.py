@@ -32,7 +32,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -40,6 +39,7 @@ from typing import Any
 
 from .errors import ApiError
 from .kube import Kube, is_conflict, is_not_found
+from .lane import LoopThread
 from .names import GROUP
 
 __all__ = ["ElectionThread", "LeaderElector", "Members", "micro_time"]
@@ -247,8 +247,7 @@ class ElectionThread:
             on_start=self._started,
             on_stop=self._stopped,
         )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="leader election", daemon=True)
+        self._lane = LoopThread("leader election")
 
     @property
     def is_leader(self) -> bool:
@@ -260,7 +259,8 @@ class ElectionThread:
 
     def start(self) -> None:
         self._main = asyncio.get_running_loop()
-        self._thread.start()
+        self._lane.start()
+        self._lane.call(self.elector.start)
 
     def _started(self) -> None:
         self._main.call_soon_threadsafe(self._on_start)
@@ -268,18 +268,9 @@ class ElectionThread:
     def _stopped(self) -> None:
         self._main.call_soon_threadsafe(self._on_stop)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(self.elector.start)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
-
     async def stop(self) -> None:
         """Stop the election (giving the Lease up if held), then the thread."""
-        if not self._thread.is_alive():
+        if not self._lane.alive:
             return
 
         async def shutdown() -> None:
@@ -288,9 +279,8 @@ class ElectionThread:
             finally:
                 await self.elector.kube.close()
 
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(shutdown(), self._loop))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        await asyncio.to_thread(self._thread.join, 10)
+        await self._lane.run(shutdown())
+        await self._lane.stop()
 
 
 class Members:

@@ -107,3 +107,53 @@ def test_the_clean_run_a_pass_with_nothing_to_drive_counts_at_once() -> None:
         return passes(metrics)
 
     assert asyncio.run(go()) == 1.0
+
+
+def test_containment_on_its_lane_goes_on_while_the_operators_loop_is_blocked() -> None:
+    """A storm holds the operator's event loop (here: blocked 1.5 s). With a lane
+    (:class:`sdc_operator.lane.LoopThread`), a reconcile scheduled from that loop runs on
+    the lane and makes its 20 sequential awaits (the containment's API calls) meanwhile;
+    without one, it waits for the loop and has made none of them when the block ends,
+    which shows the test can fail."""
+    import threading
+    import time
+
+    from sdc_operator.lane import LoopThread
+
+    async def blocked(lane: LoopThread | None) -> tuple[int, set[int]]:
+        if lane is not None:
+            lane.start()
+        metrics = Metrics()
+        nothing: Any = None
+        fake: Any = Caches("a")
+        engine = IncidentEngine(
+            OperatorSettings(), metrics, fake, records=nothing, containment=nothing, lane=lane
+        )
+        calls: list[int] = []
+        threads: set[int] = set()
+
+        async def reconcile(namespace: str, name: str) -> None:
+            threads.add(threading.get_ident())
+            for _ in range(20):
+                await asyncio.sleep(0.001)
+                calls.append(1)
+
+        engine.reconcile = reconcile  # type: ignore[method-assign]
+        engine.leader = True
+        engine.schedule("ml", "a")
+        time.sleep(1.5)  # the loop runs nothing at all
+        during = len(calls)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(calls) == 20:
+                break
+        assert len(calls) == 20  # and it ends either way
+        await engine.close()
+        if lane is not None:
+            await lane.stop()
+        return during, threads
+
+    during, threads = asyncio.run(blocked(LoopThread("containment")))
+    assert during == 20 and threading.get_ident() not in threads
+    during, threads = asyncio.run(blocked(None))
+    assert during == 0 and threads == {threading.get_ident()}
