@@ -151,6 +151,12 @@ def main() -> int:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\n")
     subreaper = _subreaper()
     results = [run_group(n, GROUPS[n]) for n in names]
     print(
@@ -159,6 +165,7 @@ def main() -> int:
                 "benchmark": "clean_runs",
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "commit": commit,
+                "uncommitted_changes": sorted(line[3:] for line in changed if line.strip()),
                 "command": "bench/clean_runs.py" + (f" --only {args.only}" if args.only else ""),
                 "steps": STEPS,
                 "cpus": os.cpu_count(),

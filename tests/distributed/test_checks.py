@@ -2,7 +2,8 @@
 
 Every scenario of a world runs in one spawn (the drills reuse the process group), so the
 module costs two spawns per world size. Ranks are grouped into emulated nodes through
-NODE_NAME.
+NODE_NAME. The long clean run (three ranks only) trains 50 steps here and 200 in
+``bench/clean_runs.py``, which runs the same test at that length (results in bench/results).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank, run_drill
 from sdc_agent.faults import FaultSpec
 
+from .drills import clean_steps
+
 pytestmark = pytest.mark.distributed
 
 # Rank -> emulated node. Both worlds have several ranks per node.
@@ -22,6 +25,7 @@ WORLDS = {
     4: ["node-a", "node-a", "node-b", "node-b"],
 }
 EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
+CLEAN_STEPS = clean_steps(50)
 
 
 def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
@@ -30,7 +34,7 @@ def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
 
 # name -> (drill, expected first verdict (check, step, classification, suspects) or None)
 SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]] = {
-    "clean": (Drill(steps=200, config=EVERY_STEP), None),
+    "clean": (Drill(steps=CLEAN_STEPS, config=EVERY_STEP), None),
     "clean_defaults": (Drill(steps=100, config={"fingerprint_backend": "eager"}), None),
     "plain_ddp": (Drill(steps=100, guarded=False), None),
     "low_level_clean": (
@@ -139,7 +143,7 @@ def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[DrillRank
     size = request.param
     names = list(SCENARIOS)
     if size != 3:
-        names.remove("clean")  # 200 checked steps once is enough (4 s of 11)
+        names.remove("clean")  # the long checked run once is enough
     results = run_drill(WORLDS[size], [SCENARIOS[n][0] for n in names])
     return size, dict(zip(names, results, strict=True))
 
@@ -163,7 +167,8 @@ def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]])
         assert all(r.applied)
         assert len({x.final_fingerprint for x in results[name]}) == 1
     if size == 3:
-        assert same_on_every_rank(results["clean"]).last_clean_step == list(range(1, 201))
+        clean = same_on_every_rank(results["clean"])
+        assert clean.last_clean_step == list(range(1, CLEAN_STEPS + 1))
     # The low-level form cannot run the replay audit (replay_every is at its default):
     # last_clean_step follows the weight check alone.
     assert same_on_every_rank(results["low_level_clean"]).last_clean_step == list(range(1, 21))

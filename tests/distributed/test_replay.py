@@ -1,7 +1,8 @@
 """Check 2, the ring replay audit, on real gloo process groups (dropout on).
 
 Worlds: 3 and 4 emulated nodes with 1 and 2 ranks per node. Each world runs every scenario
-in one spawn.
+in one spawn. The long clean run (3x2 only) trains 40 audited steps here and 200 in
+``bench/clean_runs.py``, which runs the same test at that length (results in bench/results).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank, run_drill
 from sdc_agent.faults import FaultSpec
 
-from .drills import agreed
+from .drills import agreed, clean_steps
 
 # slow: several worlds of replay audits (about 100 s each on 2 cores)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -36,7 +37,7 @@ def fault(step: int, site: str, kind: str, rank: int = SUSPECT, **kw: Any) -> Fa
 FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
 
 SCENARIOS: dict[str, Drill] = {
-    "clean": Drill(steps=200, config=AUDIT),
+    "clean": Drill(steps=clean_steps(40), config=AUDIT),
     "plain_ddp": Drill(steps=12, guarded=False),
     "clean_12": Drill(steps=12, config=AUDIT),
     "forward_persistent": Drill(
@@ -81,7 +82,7 @@ SCENARIOS: dict[str, Drill] = {
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     names = list(SCENARIOS)
     if request.param != "3x2":
-        names.remove("clean")  # 200 audited steps once is enough
+        names.remove("clean")  # the long audited run once is enough
     results = run_drill(WORLDS[request.param], [SCENARIOS[n] for n in names])
     return request.param, dict(zip(names, results, strict=True))
 
