@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 
 import torch
@@ -92,7 +91,6 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     train(args)
-    gc.collect()  # frees the model's reducer: destroy_process_group() then ends the group
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,7 +10,6 @@ target=transformer.h.0.mlp,index=all".
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 
@@ -24,7 +23,6 @@ from sdc_agent.integrations.huggingface import SDCCallback
 def main() -> None:
     train()
     if dist.is_initialized():  # the Trainer started the process group; end it (quickstart.py)
-        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -16,8 +16,9 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ class Guard:
         ReplayCheck.refuse(layout.module, self.config.replay_enabled)
         WeightCheck.refuse(optimizer, self.config.weights_every)
 
-        self._gate = StepGate(optimizer, lambda: self._phase)
+        self._gate = StepGate(optimizer, _weakly(self._current_phase, gone=lambda: "removed"))
         try:
             self.topology, self.run_id = start_up_exchange(
                 config=self.config,
@@ -134,7 +135,7 @@ class Guard:
                 topology=self.topology,
                 run_id=self.run_id,
                 scaled=scaler is not None,
-                loss_scale=self._loss_scale,
+                loss_scale=_weakly(self._loss_scale),
             )
         except BaseException:
             self._gate.remove()  # a Guard that failed to start leaves nothing behind
@@ -184,7 +185,7 @@ class Guard:
             clean=self._clean,
             wanted=flags_wanted,
             defer=self._gate.device_skip and self.device.type == "cuda",
-            stop=self._stop,
+            stop=_weakly(self._stop),
         )
         self._snapshots = SnapshotKeeper(
             config=self.config,
@@ -194,10 +195,13 @@ class Guard:
             run_id=self.run_id,
             clean=self._clean,
             start=start_step,
-            held=self._held_step,
+            held=_weakly(self._held_step),
         )
         self.snapshot_write: SnapshotWrite | None = None
         """What the snapshot's write at detection did (``None``: none happened)."""
+
+    def _current_phase(self) -> str:
+        return self._phase
 
     def _held_step(self) -> int:
         # The model holds the state after the previous step during a step's checks, after
@@ -606,6 +610,33 @@ class Guard:
             self._layout.inject("grad_local", bucket, bucket.buffer())
         for unit in self._units:
             unit.on_gradients(bucket)
+
+
+_T = TypeVar("_T")
+
+
+def _weakly(method: Callable[[], _T], *, gone: Callable[[], _T] | None = None) -> Callable[[], _T]:
+    """A method of the Guard for one of its parts to call back, holding the Guard weakly.
+
+    Held strongly, every such callback would make a cycle (Guard -> part -> Guard), and a
+    Guard in a cycle outlives the scope that dropped it until the garbage collector runs:
+    with it its model, the model's reducer and the process group, which
+    ``destroy_process_group()`` then cannot end. gloo's worker threads would still be
+    running when the interpreter exits, where torch 2.13 sometimes aborts the process
+    ("terminate called without an active exception"). The layout's back-reference ends at
+    ``close()`` (``ParallelLayout.detach``). ``gone``: what the call returns once the Guard
+    was freed (by default it raises)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> _T:
+        bound = ref()
+        if bound is None:
+            if gone is not None:
+                return gone()
+            raise SDCError("the Guard was dropped while its model or optimizer still ran")
+        return bound()
+
+    return call
 
 
 def _layout_of(model: nn.Module, config: GuardConfig) -> ParallelLayout:

@@ -199,11 +199,15 @@ class DDPLayout(ParallelLayout):
         self._forward_handle = self.model.register_forward_pre_hook(self._forward_pre)
 
     def detach(self) -> None:
-        # The comm hook stays with DDP (a model's hook cannot be removed); once this layout
-        # is gone it does what DDP does without one.
+        # The comm hook stays with DDP (a model's hook cannot be removed); detached, it does
+        # what DDP does without one. Dropping the coordinator (the Guard) ends the cycle
+        # Guard -> layout -> Guard: a closed Guard its caller drops is freed at once, with
+        # the model and the model's process group (see _held_weakly).
         self.injector.detach()
         if self._forward_handle is not None:
             self._forward_handle.remove()
+            self._forward_handle = None
+        self._coordinator = None
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self.model.no_sync()  # type: ignore[operator]
@@ -238,14 +242,7 @@ class DDPLayout(ParallelLayout):
     def inject(self, site: str, bucket: GradientBucket, tensor: torch.Tensor) -> None:
         """The drill's faults of ``site`` into ``tensor`` (the bucket's buffer, or the
         collective's result)."""
-        self.faults.gradients(
-            site,
-            index=bucket.index(),
-            buffer=bucket.buffer(),
-            parameters=bucket.parameters(),
-            gradients=bucket.gradients(),
-            tensor=tensor,
-        )
+        _inject(self.faults, site, bucket, tensor)
 
     def _forward_pre(self, _module: nn.Module, _args: Any) -> None:
         if self._settling or not torch.is_grad_enabled():
@@ -257,14 +254,9 @@ class DDPLayout(ParallelLayout):
         self, _state: object, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if self._settling:  # the same arithmetic, nothing observed or injected
-            buffer.mul_(1.0 / self.world_size)
-            return (
-                dist.all_reduce(buffer, group=self.group, async_op=True)
-                .get_future()
-                .then(lambda f: f.value()[0])
-            )
-        assert self._coordinator is not None
+        if self._settling or self._coordinator is None:
+            # Settling, or detached: the same arithmetic, nothing observed or injected.
+            return _plain_all_reduce(buffer, self.group, self.world_size)
         self._coordinator.gradients_ready(bucket)  # GradBucket is a GradientBucket
         # The same arithmetic as DDP without a hook (its reducer multiplies by 1/world
         # size), fused with check 1's look at every element: one pass over the bucket.
@@ -281,16 +273,45 @@ class DDPLayout(ParallelLayout):
 
         if not self.faults and not marked:
             return fut.then(lambda f: f.value()[0])
+        # The callback holds the flags and the fault sites, not this layout: gloo's worker
+        # thread that runs it lets go of it only when it next gets the GIL, which can be
+        # after the training loop's end (on a busy machine, after destroy_process_group()).
+        # Through the layout it would hold the model and its process group until then.
+        flags = self.flags if marked else None
+        faults = self.faults
 
         def after(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = f.value()[0]
-            if marked:
-                self.flags.seen(reduced)  # before a drill's fault touches it
-            if self.faults:
-                self.inject("grad_reduced", bucket, reduced)
+            if flags is not None:
+                flags.seen(reduced)  # before a drill's fault touches it
+            if faults:
+                _inject(faults, "grad_reduced", bucket, reduced)
             return reduced
 
         return fut.then(after)
+
+
+def _inject(faults: FaultSites, site: str, bucket: GradientBucket, tensor: torch.Tensor) -> None:
+    faults.gradients(
+        site,
+        index=bucket.index(),
+        buffer=bucket.buffer(),
+        parameters=bucket.parameters(),
+        gradients=bucket.gradients(),
+        tensor=tensor,
+    )
+
+
+def _plain_all_reduce(
+    buffer: torch.Tensor, group: dist.ProcessGroup | None, world_size: int
+) -> torch.futures.Future[torch.Tensor]:
+    """What DDP does with a bucket when it has no comm hook: the mean over the group."""
+    buffer.mul_(1.0 / world_size)
+    return (
+        dist.all_reduce(buffer, group=group, async_op=True)
+        .get_future()
+        .then(lambda f: f.value()[0])
+    )
 
 
 def _held_weakly(
@@ -303,8 +324,8 @@ def _held_weakly(
     the reducer, and with it the process group, would outlive ``destroy_process_group()``,
     and gloo's worker threads would still be running when the interpreter exits (where
     torch 2.13 sometimes aborts the process: "terminate called without an active
-    exception"). Once the layout (with its Guard) is gone the hook does what DDP does
-    without one.
+    exception"). Once the layout is gone or detached (``Guard.close``) the hook does what
+    DDP does without one.
     """
     ref = weakref.ref(layout)
     group, world_size = layout.group, layout.world_size
@@ -313,13 +334,7 @@ def _held_weakly(
         alive = ref()
         if alive is not None:
             return alive._comm_hook(state, bucket)
-        buffer = bucket.buffer()
-        buffer.mul_(1.0 / world_size)
-        return (
-            dist.all_reduce(buffer, group=group, async_op=True)
-            .get_future()
-            .then(lambda f: f.value()[0])
-        )
+        return _plain_all_reduce(bucket.buffer(), group, world_size)
 
     # DDP checks a hook's annotations by identity with the real types, and postponed
     # evaluation (``from __future__ import annotations``) left strings there.

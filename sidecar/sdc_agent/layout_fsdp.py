@@ -317,6 +317,7 @@ class FSDPLayout(ParallelLayout):
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
+        self._coordinator = None  # no cycle Guard -> layout -> Guard (DDPLayout.detach)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -34,6 +34,7 @@ loop instead (:class:`~sdc_agent.Guard` takes a ``fully_shard`` model:
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -81,7 +82,12 @@ class SDCCallback(TrainerCallback):
                 "the callback guards DDP Trainers only. Guard FSDP2 or HSDP training in your "
                 "own loop: sdc_agent.Guard takes a fully_shard model (examples/train_fsdp.py)"
             )
-        self.trainer = trainer
+        # Weakly once training begins (the Trainer holds its callbacks then): a callback
+        # holding its Trainer would make a cycle that keeps the Trainer, its DDP model and
+        # the model's process group alive past the training function until the garbage
+        # collector runs, and destroy_process_group() could not end the group
+        # (sdc_agent.guard._weakly). Strongly until then: nothing else may hold it yet.
+        self._trainer: Any = trainer
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         self.config = config if config is not None else GuardConfig.from_env(**overrides)
         self.guard: Guard | None = None
@@ -89,8 +95,19 @@ class SDCCallback(TrainerCallback):
         self.verdicts: list[Verdict] = []
         self._handle: Any = None
 
+    @property
+    def trainer(self) -> Any:
+        """The Trainer this callback guards."""
+        trainer = self._trainer
+        if isinstance(trainer, weakref.ref):
+            trainer = trainer()
+            if trainer is None:
+                raise ConfigError("SDCCallback: its Trainer is gone")
+        return trainer
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
+        self._trainer = weakref.ref(trainer)
         model = trainer.model_wrapped
         sharded = _sharded_kind(model)
         if sharded is not None:
