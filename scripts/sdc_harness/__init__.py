@@ -1,5 +1,6 @@
 """The stand-in cluster that the tests and the end-to-end demo share: a real Kubernetes
-API server on loopback and the operator as a real process (:mod:`.cluster`), what the
+API server on loopback and the operator as a real process (:mod:`.cluster`; the tests'
+operators forked from one that imported their dependencies, :mod:`.operator_zygote`), what the
 scheduler and the kubelet would do for the pods that must run (:mod:`.kubelet`), what the
 Kubeflow training operator would do for a PyTorchJob (:mod:`.training`), SageMaker's
 endpoint on loopback (:mod:`.fake_sagemaker`), test certificates (:mod:`.tls`) and other

@@ -38,6 +38,8 @@ from sdc_operator.attestation import (
     sign,
 )
 
+from . import operator_zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).resolve().parent / "crds"
 """Other projects' CRDs the cluster installs beside ours (crds/README.md)."""
@@ -405,6 +407,10 @@ class OperatorProcess:
     shared = True
     """The API server is shared with other tests' operators (:data:`SHARED`); a subclass
     whose operator has it to itself (the demo's) sets it false."""
+    forked = False
+    """Forked from the operator zygote (:mod:`sdc_harness.operator_zygote`: its third-party
+    imports done once) where it can be (this project's operator, with this process's
+    ``PYTHONPATH``), rather than started as ``python -m``: :class:`ForkedOperatorProcess`."""
 
     def __init__(
         self,
@@ -449,12 +455,16 @@ class OperatorProcess:
         self.log_path = log_path
         self.before_start()
         self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc: subprocess.Popen[bytes] | operator_zygote.Forked
+        if self.forked and operator_zygote.forkable(module, env):
+            self.proc = operator_zygote.start(env, log_path, module)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             wait_for("the operator's intake", self._ready, timeout=60)
         except BaseException:
@@ -526,6 +536,12 @@ class OperatorProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class ForkedOperatorProcess(OperatorProcess):
+    """The tests' operator: the same process, forked from the operator zygote."""
+
+    forked = True
 
 
 def register_chart_webhooks(cluster: Cluster, url: str, ca: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sdc_harness.cluster import Cluster, OperatorProcess
+from sdc_harness.cluster import Cluster, ForkedOperatorProcess, OperatorProcess
 from sdc_harness.fake_sagemaker import FakeSageMaker
 
 from .previous_release import Release, extract
@@ -53,13 +53,14 @@ def start_operator(
     cluster: Cluster, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., OperatorProcess]]:
     """Starts ``python -m sdc_operator`` with extra settings (``dry_run="true"``, ...);
-    every process started is stopped after the test, and its log shown if it failed."""
+    every process started is stopped after the test, and its log shown if it failed. The
+    operator is forked from the zygote that imported its dependencies once
+    (:mod:`sdc_harness.operator_zygote`) unless ``forked=False`` (a test of its memory)."""
     started: list[OperatorProcess] = []
 
-    def start(**settings: Any) -> OperatorProcess:
-        proc = OperatorProcess(
-            cluster, namespace, tmp_path / f"operator-{len(started)}.log", **settings
-        )
+    def start(forked: bool = True, **settings: Any) -> OperatorProcess:
+        kind = ForkedOperatorProcess if forked else OperatorProcess
+        proc = kind(cluster, namespace, tmp_path / f"operator-{len(started)}.log", **settings)
         started.append(proc)
         return proc
 
