@@ -33,7 +33,6 @@ verdict names it; the operator's confirmation pod recomputes it on the suspect n
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -122,11 +121,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     train(args, cuda)
-    # torch keeps DDP's constructor frame, and with it the model and its reducer, in a
-    # reference cycle: collect it, so that destroy_process_group() really ends the group
-    # and joins gloo's threads (left running at interpreter exit, they sometimes abort
-    # the process there: "terminate called without an active exception").
-    gc.collect()
+    # The model and the closed Guard went with train(): destroy_process_group() ends the
+    # group and joins gloo's threads (left running at interpreter exit, they sometimes
+    # abort the process there: "terminate called without an active exception").
     dist.barrier()  # every rank done before any closes its connections
     dist.destroy_process_group()
 
