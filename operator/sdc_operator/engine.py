@@ -8,16 +8,19 @@ Two halves, with their own API clients so neither waits for the other:
   containment has started) is answered from memory without an API call. A replica that is
   not the leader records too, so a report that reaches it is not lost.
 - **Containment** (the leader only): :meth:`IncidentEngine.reconcile` takes the first
-  action the status does not record as done. Given a ``lane`` (:mod:`.lane`), every
-  reconcile runs on that thread's event loop, with the ``containment`` client made for it:
-  its sequential API calls do not each wait for a turn of the intake's loop behind a storm
-  of reports. Each action is recorded ``Pending`` with what
+  action the status does not record as done. Each action is recorded ``Pending`` with what
   identifies it before it is taken and its result after; one found ``Pending`` (after a
   crash, a conflict or a change of leader) is verified before it is taken again
   (:mod:`.actions`).
 
 Every status write carries the ``resourceVersion`` it was computed from; a conflict reads
 the incident again and applies the same change to what it finds.
+
+Given a ``lane`` (:mod:`.lane`), the engine lives on that thread's event loop: its entry
+points (a report to record, a cache's change, a resync) hand their work there, and its
+``records`` and ``containment`` clients are made for it. So the records' and the
+containment's sequential API calls do not each wait for a turn of the intake's loop behind
+a storm of reports; the intake's loop waits for their answers only.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class IncidentEngine:
     ) -> None:
         self.settings = settings
         self._lane = lane
-        """Where containment runs (reconciles, resync passes, sweeps); ``None``: here."""
+        """The thread whose loop the engine runs on; ``None``: the caller's."""
         self.rules = Rules.of(settings)
         self.metrics = metrics
         self.caches = caches
@@ -108,10 +111,6 @@ class IncidentEngine:
         """Seconds per training step of a job (by uid) from its heartbeats, where known:
         the lost work's GPU-hours estimate (set by the handlers to the heartbeats')."""
         self._locks: dict[Key, asyncio.Lock] = {}
-        """The records' writes of an incident, one at a time."""
-        self._contain_locks: dict[Key, asyncio.Lock] = {}
-        """The containment's (on the lane): a records write and a containment write of the
-        same incident may cross, as two replicas' may; each carries its resourceVersion."""
         self._pending: dict[Key, list[_Fold]] = {}
         self._flushers: dict[Key, asyncio.Task[None]] = {}
         self._reconciles: dict[Key, asyncio.Task[None]] = {}
@@ -128,9 +127,6 @@ class IncidentEngine:
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
-
-    def _contain_lock(self, key: Key) -> asyncio.Lock:
-        return self._contain_locks.setdefault(key, asyncio.Lock())
 
     def _elsewhere(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Whether ``fn(*args)`` was handed to the lane's loop (the caller runs elsewhere)."""
@@ -241,6 +237,17 @@ class IncidentEngine:
         reporter_created: str | None = None,
     ) -> tuple[str, str]:
         """Fold ``report`` into its incident; returns (name, phase)."""
+        if self._lane is not None and not self._lane.here():
+            return await self._lane.run(
+                self.record_verdict(
+                    job,
+                    report,
+                    reporter_pod=reporter_pod,
+                    reporter_node=reporter_node,
+                    suspects=suspects,
+                    reporter_created=reporter_created,
+                )
+            )
         name = incidents.incident_name(job, report, self.generation(job, report, reporter_created))
         key = (job.namespace, name)
         current = self._current(key)
@@ -393,6 +400,8 @@ class IncidentEngine:
 
     async def flush_counts(self) -> None:
         """Write the counts of reports answered from memory (``status.reportingNodes``)."""
+        if self._lane is not None and not self._lane.here():
+            return await self._lane.run(self.flush_counts())
         for key, extra in list(self._extra.items()):
             if extra <= 0:
                 self._extra.pop(key, None)
@@ -414,6 +423,8 @@ class IncidentEngine:
         """Remember a verified checkpoint on the job (a resume needs one old enough);
         returns whether it was recorded. Patched under the job's ``resourceVersion``, so
         two replicas recording at once do not lose one."""
+        if self._lane is not None and not self._lane.here():
+            return await self._lane.run(self.record_checkpoint(job, report))
         if not report.verified:
             return False
         plural = jobs.JOB_KINDS[(job.api_version, job.kind)]
@@ -444,6 +455,8 @@ class IncidentEngine:
     async def record_resume(self, job: JobRef, report: ResumeReport) -> list[str]:
         """The job's agents restarted from ``report.step``: mark each incident that was
         waiting for it. Returns the incidents marked."""
+        if self._lane is not None and not self._lane.here():
+            return await self._lane.run(self.record_resume(job, report))
         marked = []
         losses: list[dict[str, Any]] = []
         for candidate in self.caches.incidents_of(job.uid):
@@ -490,16 +503,17 @@ class IncidentEngine:
 
     def on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         """The incident cache changed (a watch event, or one of our writes)."""
+        if self._elsewhere(self.on_incident, old, new):
+            return
         if new is None:
             if old is not None:
                 meta = old.get("metadata") or {}
                 key = (meta.get("namespace", ""), meta.get("name", ""))
                 for memory in (self._seen, self._extra, self._agreed_at, self._waiting):
                     memory.pop(key, None)
-                for locks in (self._locks, self._contain_locks):
-                    lock = locks.get(key)
-                    if lock is not None and not lock.locked():
-                        locks.pop(key, None)
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]
             return
         if not self.leader:
             return
@@ -516,6 +530,8 @@ class IncidentEngine:
     def on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         """A pod changed: where it is a confirmation pod, its incident reads its result
         (no polling: the pod watch brings its terminated state)."""
+        if self._elsewhere(self.on_pod, old, new):
+            return
         pod = new or old or {}
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if not self.leader or labels.get(confirmation.CONFIRMATION_LABEL) != "true":
@@ -589,7 +605,7 @@ class IncidentEngine:
 
     async def reconcile(self, namespace: str, name: str) -> None:
         key = (namespace, name)
-        async with self._contain_lock(key):
+        async with self._lock(key):
             for _ in range(_MAX_STEPS):
                 if not self.leader:
                     return
@@ -902,7 +918,7 @@ class IncidentEngine:
             )
             async with contextlib.AsyncExitStack() as held:
                 for key in readers:
-                    await held.enter_async_context(self._contain_lock(key))
+                    await held.enter_async_context(self._lock(key))
                 now = self.caches.pods.get(namespace, name)
                 if not self.leader or now is None or now["metadata"].get("uid") != uid:
                     continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from .attestation import AttestationKey, load_key
 from .auth import Authenticator, StaticTokens, TokenReviewer
 from .caches import Caches
 from .creator_check import verify_installed
+from .effects import Effects
 from .engine import IncidentEngine
 from .errors import ApiError, OperatorError
 from .heartbeats import Heartbeats
@@ -99,11 +99,13 @@ class Operator:
         # Lease renewals.
         self.watches = Kube(endpoint, name="watch", metrics=metrics)  # sized below
         self.lookups = Kube(endpoint, name="intake", pool_size=32, metrics=metrics)
+        # This loop's records (the webhook's, start-up's, the members' Events).
         self.records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
-        # Containment (suspend, quarantine, their records) runs on a thread and event loop
-        # of its own, like the election, with a pool used there only: its sequential calls
-        # do not each wait for a turn of the intake's loop (docs/operator.md).
-        self.lane = LoopThread("containment")
+        # The engine (the verdicts' records, containment) runs on a thread and event loop of
+        # its own, like the election, with pools used there only: its sequential calls do
+        # not each wait for a turn of the intake's loop (docs/operator.md).
+        self.lane = LoopThread("incident engine")
+        self.engine_records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         # Retention's deletions (every 10 minutes, on this loop) have their own small pool.
         self.retention = Kube(endpoint, name="retention", pool_size=2, metrics=metrics)
@@ -131,11 +133,12 @@ class Operator:
             settings,
             metrics,
             self.caches,
-            records=self.records,
+            records=self.engine_records,
             containment=self.containment,
             hyperpod=self.hyperpod,
             lane=self.lane,
         )
+        self.recorded = Effects(self.records, self.caches)
         self.heartbeats = Heartbeats(metrics)
         self.engine.step_seconds = self.heartbeats.step_seconds
         self.key: AttestationKey | None = None
@@ -164,31 +167,23 @@ class Operator:
             registry=self.metrics.registry,
             serving=self.serving,
             caches=self.caches,
-            effects=self.engine.recorded,
+            effects=self.recorded,
             api_server=self.api_server,
         )
 
-    def _here(self, fn: Callable[..., None], *args: Any) -> None:
-        """``fn(*args)`` on this operator's loop: a cache changed by the containment's
-        thread (its own writes, read back at once) tells the engine here."""
-        if threading.get_ident() == self._thread:
-            fn(*args)
-        else:
-            self._loop.call_soon_threadsafe(fn, *args)
-
     def _on_incident(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
-            self._here(self.engine.on_incident, old, new)
+            self.engine.on_incident(old, new)
 
     def _on_policy(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         # A policy's change (its approvals, a cluster admin's decision) drives the incidents
         # now, not at the next resync.
         if self.engine_ready:
-            self._here(self.engine.resync)
+            self.engine.resync()
 
     def _on_pod(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if self.engine_ready:
-            self._here(self.engine.on_pod, old, new)
+            self.engine.on_pod(old, new)
 
     def _authenticator(self) -> Authenticator:
         s = self.settings
@@ -210,12 +205,11 @@ class Operator:
 
     async def start(self) -> None:
         s = self.settings
-        self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
         self.lane.start()
         while True:
             try:
                 self.key = await load_key(
-                    self.records, self.engine.recorded, s.namespace, s.attestation_secret
+                    self.records, self.recorded, s.namespace, s.attestation_secret
                 )
                 break
             except OperatorError as exc:
@@ -378,12 +372,12 @@ class Operator:
             )
             log.warning("job %s/%s: %s", beats.job.namespace, beats.job.name, message)
             # one Event per silence (a job may fall silent again later)
-            await self.engine.recorded.emit(
+            await self.recorded.emit(
                 job, "SDCAgentsSilent", message, True, occurrence=f"after {beats.last:.3f}"
             )
         for beats in came:
             job = self._job_body(beats.job)
-            await self.engine.recorded.emit(
+            await self.recorded.emit(
                 job,
                 "SDCAgentsReporting",
                 "heartbeats arrive again",
@@ -428,7 +422,8 @@ class Operator:
             await runner.cleanup()
         await self.engine.close()
         if self.lane.alive:
-            await self.lane.run(self.containment.close())  # (its session lives there)
+            for kube in (self.engine_records, self.containment):  # (their sessions live there)
+                await self.lane.run(kube.close())
             await self.lane.stop()
         await self.caches.stop()
         self.hyperpod.close()

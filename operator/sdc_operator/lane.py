@@ -3,7 +3,7 @@
 The intake's event loop reads, decrypts and answers every report of a storm; a coroutine on
 that loop waits for a turn behind all of them at each of its ``await``\\ s. At 2,048 nodes
 with every node reporting, that made each of the containment's dozen sequential API calls
-wait up to a second for the loop (docs/operator.md, "Containment's own thread"). Work on a
+wait up to a second for the loop (docs/operator.md, "The engine's own thread"). Work on a
 :class:`LoopThread` waits for the GIL instead, which CPython hands over every 5 ms
 (``sys.getswitchinterval()``) to a thread that asks for it.
 
