@@ -318,7 +318,12 @@ class IncidentEngine:
 
     async def _write_folds(self, key: Key, job: JobRef, batch: list[_Fold]) -> str:
         async with self._lock(key):
-            incident = self._current(key) or await self._create(key, job, batch[0].report)
+            incident = self._current(key)
+            if incident is None:
+                incident = await self._create(key, job, batch[0].report)
+                # the reports that came while it was created go into the same write: with
+                # every node reporting, agreement waited for one more write (0.4 s, loaded)
+                batch.extend(self._pending.pop(key, None) or ())
             was = (incident.get("status") or {}).get("phase")
             check = str((incident.get("spec") or {}).get("check") or batch[0].report.check)
             needed = self.settings.agreement_nodes
