@@ -33,6 +33,18 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps:
         optimizer.step()
 
 
+def _closed_after_three_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> sdc_agent.Guard:
+    config = sdc_agent.GuardConfig(weights_every=1, replay_every=0, fingerprint_backend="eager")
+    guard = sdc_agent.Guard(model, optimizer, _loss, config, reporter=None)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        guard.step((torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)))
+    guard.close()
+    return guard
+
+
 def _guard_dropped_then_plain_training(rank: int, world_size: int) -> tuple[bool, bool]:
     torch.manual_seed(0)
     guarded = DistributedDataParallel(nn.Linear(16, 4))
@@ -40,12 +52,7 @@ def _guard_dropped_then_plain_training(rank: int, world_size: int) -> tuple[bool
     plain = DistributedDataParallel(nn.Linear(16, 4))
     opt_guarded = torch.optim.SGD(guarded.parameters(), lr=0.1)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
-    config = sdc_agent.GuardConfig(weights_every=1, replay_every=0, fingerprint_backend="eager")
-    guard = sdc_agent.Guard(guarded, opt_guarded, _loss, config, reporter=None)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        guard.step((torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)))
-    guard.close()
+    guard = _closed_after_three_steps(guarded, opt_guarded, rank)
     gone = weakref.ref(guard)
     del guard
     gc.collect()
@@ -87,13 +94,7 @@ def _guarded_run(rank: int, group: dist.ProcessGroup) -> weakref.ref[nn.Module]:
     function ends (the model, its optimizer and the Guard go out of scope on return)."""
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(16, 4), process_group=group)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    config = sdc_agent.GuardConfig(weights_every=1, replay_every=0, fingerprint_backend="eager")
-    guard = sdc_agent.Guard(model, optimizer, _loss, config, reporter=None)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        guard.step((torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)))
-    guard.close()
+    _closed_after_three_steps(model, torch.optim.Adam(model.parameters(), lr=1e-3), rank)
     return weakref.ref(model)
 
 
