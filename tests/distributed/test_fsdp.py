@@ -21,7 +21,8 @@ from sdc_agent.launch import spawn_local
 
 from . import drills
 
-pytestmark = pytest.mark.distributed
+# slow: two worlds of six ranks (set-up 27 s HSDP, 59 s FSDP, loaded)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
