@@ -323,7 +323,7 @@ class IncidentEngine:
                 incident = await self._create(key, job, batch[0].report)
                 # the reports that came while it was created go into the same write: with
                 # every node reporting, agreement waited for one more write (0.4 s, loaded)
-                batch.extend(self._pending.pop(key, None) or ())
+                batch.extend(self._pending.pop(key, []))
             was = (incident.get("status") or {}).get("phase")
             check = str((incident.get("spec") or {}).get("check") or batch[0].report.check)
             needed = self.settings.agreement_nodes
