@@ -29,19 +29,29 @@ class LoopThread:
     thread; :meth:`stop` ends it."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        # Made by start(): a loop made and never run would never be closed.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError(f"{self._name}: start() the thread first")
+        return self._loop
+
+    @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def here(self) -> bool:
         """Whether the caller runs on this thread."""
-        return threading.get_ident() == self._thread.ident
+        return self._thread is not None and threading.get_ident() == self._thread.ident
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on the thread's loop, soon (from any thread)."""
@@ -53,7 +63,7 @@ class LoopThread:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (what still runs on it is dropped), then join the thread."""
-        if not self._thread.is_alive():
+        if self._thread is None or not self._thread.is_alive():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         await asyncio.to_thread(self._thread.join, timeout)

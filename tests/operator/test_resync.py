@@ -157,3 +157,23 @@ def test_containment_on_its_lane_goes_on_while_the_operators_loop_is_blocked() -
     assert during == 20 and threading.get_ident() not in threads
     during, threads = asyncio.run(blocked(None))
     assert during == 0 and threads == {threading.get_ident()}
+
+
+def test_a_lane_never_started_leaves_no_event_loop_to_collect() -> None:
+    """The operator's parts make their lanes when they are built, and unit tests build them
+    without starting them: a loop made there and never closed was collected later, in
+    another test, as an unclosed event loop and two unclosed sockets (its self-pipe)."""
+    import gc
+    import warnings
+
+    from sdc_operator.lane import LoopThread
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        lane = LoopThread("never started")
+        assert not lane.alive and not lane.here()
+        with pytest.raises(RuntimeError, match="never started: start"):
+            lane.call(print)
+        del lane
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
