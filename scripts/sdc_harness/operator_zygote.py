@@ -7,9 +7,10 @@ log and working directory :class:`sdc_harness.cluster.OperatorProcess` gives it,
 ``sdc_operator``'s ``__main__`` from the start: its settings checked, its handlers
 registered, kopf started. Only the third-party imports in :data:`PRELOAD` (about 1.2 s of
 CPU of the 1.4 s an operator's imports cost on the 2-core machine) are inherited; the
-project's own modules are imported in the child, after its env is set. An operator with
-another ``PYTHONPATH`` or hash seed than the zygote's (another release's code) is not
-forked: :func:`forkable` says which.
+project's own modules are imported in the child, after its env is set; it ends as the
+interpreter would, its non-daemon threads joined before the atexit handlers. An operator
+with another ``PYTHONPATH`` (another release's code), hash seed or other ``PYTHON*``
+variable than the zygote started with is not forked: :func:`forkable` says which.
 
 The zygote is a child of the test process (its stdin closing ends it); it forks on request,
 reaps its children and reports each one's exit status, so the caller's :class:`Forked` has
@@ -61,8 +62,8 @@ _INHERITED = (
     "PROMETHEUS_MULTIPROC_DIR",
     "prometheus_multiproc_dir",
 )
-"""Env read as the interpreter starts or as :data:`PRELOAD` is imported, and kept: a child
-must have the zygote's."""
+"""Env read as :data:`PRELOAD` is imported, and kept: a child must have the zygote's (as it
+must every ``PYTHON*`` variable, read as the interpreter starts: :func:`forkable`)."""
 _READ_AT_IMPORT = {
     "kubernetes.config.kube_config": (
         "KUBE_CONFIG_DEFAULT_LOCATION",
@@ -82,15 +83,14 @@ def _child(request: dict[str, Any], reply_fd: int) -> None:
     as ``__main__``; never returns."""
     code = 1
     try:
-        os.close(reply_fd)
         os.setsid()
         stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.close(stdin)
         fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
+        os.dup2(stdin, 0)
+        os.dup2(fd, 1)  # the reply pipe was fd 1: replaced, not closed and reused
         os.dup2(fd, 2)
-        os.close(fd)
+        for extra in {stdin, fd, reply_fd} - {0, 1, 2}:
+            os.close(extra)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -111,6 +111,9 @@ def _child(request: dict[str, Any], reply_fd: int) -> None:
         finally:
             import atexit
 
+            # as the interpreter ends: its non-daemon threads joined (the executors'
+            # workers, a SageMaker call still in flight), then the atexit handlers
+            threading._shutdown()  # type: ignore[attr-defined]
             atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
@@ -160,8 +163,11 @@ def serve() -> None:
 
 class _Zygote:
     def __init__(self) -> None:
+        self.env = dict(os.environ)
+        """The env the zygote started with (its interpreter's and its imports')."""
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve())],
+            env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -173,7 +179,16 @@ class _Zygote:
         self.changed = threading.Condition()
         self.pids: list[int] = []
         self.exits: dict[int, int] = {}
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def close(self) -> None:
+        """Ends the zygote (its children are theirs to stop) and its pipes."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self._reader.join(30)
+        self._out.close()
 
     def _read(self) -> None:
         for line in self._out:
@@ -205,8 +220,14 @@ _started = threading.Lock()
 
 def forkable(module: str, env: dict[str, str]) -> bool:
     """Whether the operator ``python -m module`` with ``env`` can be forked: this project's
-    operator, with the interpreter's start-up env of this process (the zygote's)."""
-    return module == MODULE and all(env.get(k) == os.environ.get(k) for k in _INHERITED)
+    operator, with the start-up env of the zygote (the env it started with, or this
+    process's where none is running): the same :data:`_INHERITED` and ``PYTHON*``
+    variables (``PYTHONWARNINGS``, ``PYTHONDEVMODE``, ... are read as the interpreter
+    starts, so a forked child would silently ignore its own)."""
+    zygote = _zygote
+    started = zygote.env if zygote is not None and zygote.proc.poll() is None else os.environ
+    names = {*_INHERITED, *(k for k in (*env, *started) if k.startswith("PYTHON"))}
+    return module == MODULE and all(env.get(k) == started.get(k) for k in names)
 
 
 class Forked:
