@@ -73,6 +73,19 @@ class Outcome:
         return status
 
 
+async def _past_the_second_of(at: str | None) -> None:
+    """Return once the clock has passed the whole second ``at`` (RFC 3339, seconds)."""
+    if at is None:
+        return
+    try:
+        end = parse_time(at).timestamp() + 1.0
+    except ValueError:
+        return
+    wait = end - time.time()
+    if wait > 0:
+        await asyncio.sleep(min(wait, 1.0))
+
+
 def _released(result: str, message: str) -> Outcome:
     """A node given back (or found gone or held by another incident): the end of it."""
     return Outcome(
@@ -346,6 +359,10 @@ class Actions:
             await self.effects.emit(job, "SDCJobNotResumed", message, True)
             return Outcome("Skipped", message, ("Resumed", "False", reason, message))
         assert checkpoint is not None
+        # The next run's pods are told from the stopped run's by their creation times, in
+        # whole seconds (IncidentEngine.generation): it starts once the second of the stop
+        # has passed, at most a second later.
+        await _past_the_second_of(incidents.job_stopped_at(incident))
         how = "lifted runPolicy.suspend"
         reactivated = (
             await self._set_workloads_active(job, True) if jobs.is_kueue_managed(job) else None

@@ -208,7 +208,12 @@ class IncidentEngine:
     def generation(self, job: JobRef, report: VerdictReport, reporter_created: str | None) -> int:
         """Which run of the job a verdict without a ``run_id`` belongs to: past every
         incident of this window that stopped the job before the reporting pod was
-        created (that pod belongs to a later run)."""
+        created (that pod belongs to a later run).
+
+        Both times are in whole seconds. A pod created in the second of the stop belongs
+        to the run that was stopped: a pod of the stopped run was made before its stop,
+        and the resume waits for the stop's second to pass (``Actions._resume_job``), so
+        the next run's pods are made in a later second."""
         if report.run_id or report.classification == "nondeterministic" or not reporter_created:
             return 0
         try:
@@ -221,7 +226,7 @@ class IncidentEngine:
                 job.namespace, incidents.incident_name(job, report, generation)
             )
             stopped = incidents.job_stopped_at(found) if found else None
-            if stopped is None or created < parse_time(stopped):
+            if stopped is None or created <= parse_time(stopped):
                 return generation
             generation += 1
         return generation

@@ -252,3 +252,48 @@ def test_release_keeps_a_cordon_someone_else_set_last() -> None:
     uncordoned = {**node, "spec": {"taints": [nodes.SUSPECT_TAINT]}}
     patch = nodes.release_patch(uncordoned)
     assert patch is not None and "unschedulable" not in patch["spec"]  # never re-cordon
+
+
+def test_a_pod_made_in_the_second_of_the_stop_is_the_stopped_runs_and_the_resume_waits_it_out() -> (
+    None
+):
+    """Creation times and the stop's time are in whole seconds. A verdict from a pod of the
+    stopped run made in the second of the stop (a fault caught within a second of the
+    pods' start, as in the integration tests) opened a second incident, which would stop
+    the job again; the next run's pods are told apart because the resume waits for that
+    second to pass."""
+    import asyncio
+    import time
+
+    from sdc_operator.actions import _past_the_second_of
+    from sdc_operator.engine import IncidentEngine
+    from sdc_operator.metrics import Metrics
+    from sdc_operator.settings import OperatorSettings
+
+    from .test_resync import Caches
+
+    verdict = report("a")
+    stopped = {
+        "metadata": {"name": incidents.incident_name(JOB, verdict, 0)},
+        "status": {
+            "actions": [
+                {"action": "suspend-job", "result": "Succeeded", "at": "2026-12-06T09:09:54Z"}
+            ]
+        },
+    }
+    caches: Any = Caches()
+    caches.incidents.items = [stopped]
+    nothing: Any = None
+    engine = IncidentEngine(
+        OperatorSettings(), Metrics(), caches, records=nothing, containment=nothing
+    )
+    assert engine.generation(JOB, verdict, "2026-12-06T09:09:53Z") == 0
+    assert engine.generation(JOB, verdict, "2026-12-06T09:09:54Z") == 0  # was 1
+    assert engine.generation(JOB, verdict, "2026-12-06T09:09:55Z") == 1
+
+    now = incidents.now_iso()
+    asyncio.run(_past_the_second_of(now))
+    assert incidents.now_iso() > now
+    began = time.monotonic()
+    asyncio.run(_past_the_second_of("2026-12-06T09:09:54Z"))  # long past: no wait
+    assert time.monotonic() - began < 0.05
