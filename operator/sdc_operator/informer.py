@@ -117,7 +117,8 @@ class Informer:
 
     def by(self, index: str, value: Hashable) -> list[dict[str, Any]]:
         keys = tuple(self._indexes[index].get(value) or ())
-        return [self.items[k] for k in keys if k in self.items]
+        found = (self.items.get(k) for k in keys)  # another thread may remove one meanwhile
+        return [obj for obj in found if obj is not None]
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -146,8 +147,14 @@ class Informer:
                     self._unindex(key, old, name, keep=values)
         self._changed(old, obj)
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, unless_newer_than: int | None = None) -> None:
+        """``key`` out of the cache; kept where its version is newer than
+        ``unless_newer_than`` (checked under the lock: another thread may write it)."""
         with self._writing:
+            old = self.items.get(key)
+            found = _version(old) if old is not None else None
+            if unless_newer_than is not None and found is not None and found > unless_newer_than:
+                return
             old = self.items.pop(key, None)
             if old is not None:
                 self._unindex(key, old)
@@ -245,10 +252,7 @@ class Informer:
         # were read. Removing that would make a write vanish until the next event.
         snapshot = _version({"metadata": {"resourceVersion": version}})
         for key in [k for k in list(self.items) if k not in seen]:
-            found = _version(self.items[key])
-            if snapshot is not None and found is not None and found > snapshot:
-                continue
-            self._remove(key)
+            self._remove(key, unless_newer_than=snapshot)
         self.resource_version = version
         self.absent = False
         if not self.synced.is_set():

@@ -35,6 +35,8 @@ class LoopThread:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{self._name}: started already")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()

@@ -177,3 +177,14 @@ def test_a_lane_never_started_leaves_no_event_loop_to_collect() -> None:
         del lane
         gc.collect()
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_a_lane_starts_once() -> None:
+    from sdc_operator.lane import LoopThread
+
+    lane = LoopThread("twice")
+    lane.start()
+    with pytest.raises(RuntimeError, match="twice: started already"):
+        lane.start()
+    asyncio.run(lane.stop())
+    assert not lane.alive
