@@ -105,7 +105,7 @@ class Operator:
         # its own, like the election, with pools used there only: its sequential calls do
         # not each wait for a turn of the intake's loop (docs/operator.md).
         self.lane = LoopThread("incident engine")
-        self.engine_records = Kube(endpoint, name="records", pool_size=16, metrics=metrics)
+        self.engine_records = Kube(endpoint, name="engine", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         # Retention's deletions (every 10 minutes, on this loop) have their own small pool.
         self.retention = Kube(endpoint, name="retention", pool_size=2, metrics=metrics)
