@@ -601,6 +601,36 @@ def _selected_labels(selector: Mapping[str, Any]) -> dict[str, str]:
     return labels
 
 
+def own_webhook_names(configurations: list[dict[str, Any]], owner: str) -> None:
+    """Prefix each webhook entry's name (the chart's are fixed: ``pods.hyperpod-sdc.dev``)
+    with ``owner``, a DNS label no other test's configurations use (the test's namespace):
+    the API server counts its calls by that name, and :func:`await_webhooks` waits on it."""
+    for configuration in configurations:
+        for entry in configuration["webhooks"]:
+            entry["name"] = f"{owner}.{entry['name']}"
+
+
+def _shared_webhook_names(cluster: Cluster, configurations: list[dict[str, Any]]) -> list[str]:
+    """The entries of ``configurations`` whose names another configuration on the API
+    server has too (another test's, whose calls would count as theirs)."""
+    ours = {
+        entry["name"]: (configuration["kind"], configuration["metadata"]["name"])
+        for configuration in configurations
+        for entry in configuration["webhooks"]
+    }
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    shared = []
+    for kind, listing in (
+        ("MutatingWebhookConfiguration", admission.list_mutating_webhook_configuration),
+        ("ValidatingWebhookConfiguration", admission.list_validating_webhook_configuration),
+    ):
+        for item in listing().items:
+            for hook in item.webhooks or ():
+                if hook.name in ours and ours[hook.name] != (kind, item.metadata.name):
+                    shared.append(f"{hook.name} (also in {kind} {item.metadata.name})")
+    return shared
+
+
 def await_webhooks(
     cluster: Cluster,
     configurations: list[dict[str, Any]],
@@ -613,7 +643,12 @@ def await_webhooks(
     object selector selects, in a namespace of its own labeled ``namespace_labels`` (which
     the webhooks' namespace selectors must select), created again until the API server's
     count of calls (:func:`webhook_calls`) has grown for each. A dry run stores nothing; the
-    chart's webhooks declare no side effects, so they are called for it."""
+    chart's webhooks declare no side effects, so they are called for it. Each webhook's
+    name must be this configuration's alone (:func:`own_webhook_names`): a ValueError
+    names any another configuration has, whose calls would raise the count first."""
+    shared = _shared_webhook_names(cluster, configurations)
+    if shared:
+        raise ValueError(f"await_webhooks: webhook names not this configuration's: {shared}")
     probe_namespace = cluster.namespace(admitted=False)
     if namespace_labels:
         cluster.core.patch_namespace(probe_namespace, {"metadata": {"labels": namespace_labels}})

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from sdc_harness.cluster import Cluster, OperatorProcess, await_webhooks
+from sdc_harness.cluster import Cluster, OperatorProcess, await_webhooks, own_webhook_names
 from sdc_harness.tls import issue, make_ca
 from sdc_operator.attestation import CREATED_BY_ANNOTATION, MARKER_LABEL
 from tests.chart.test_chart import render
@@ -40,6 +40,7 @@ def creator_check(cluster: Cluster, namespace: str, url: str, ca: Path, name: st
             "caBundle": base64.b64encode(ca.read_bytes()).decode(),
         }
         entry["namespaceSelector"] = {"matchLabels": {TEST_LABEL: namespace}}
+    own_webhook_names([check], namespace)
     return check
 
 

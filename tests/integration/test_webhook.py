@@ -30,6 +30,7 @@ from sdc_harness.cluster import (
     OperatorProcess,
     await_webhooks,
     controller_reference,
+    own_webhook_names,
     served_here,
     wait_for,
 )
@@ -72,6 +73,7 @@ def register_webhook(
         entry["clientConfig"] = {"url": f"{op.admission_url}{path}", "caBundle": bundle}
     for entry in validating["webhooks"]:
         entry["namespaceSelector"]["matchLabels"] = {TEST_LABEL: namespace}
+    own_webhook_names([mutating, validating], namespace)
     admission = client.AdmissionregistrationV1Api(cluster.api)
     admission.create_mutating_webhook_configuration(mutating)
     admission.create_validating_webhook_configuration(validating)
@@ -692,3 +694,52 @@ def test_the_cert_manager_variant_is_accepted(cluster: Cluster, tmp_path: Path) 
         "mutatingwebhookconfiguration.admissionregistration.k8s.io",
     ):
         assert f"{kind}/{release}" in out, out
+
+
+def test_await_webhooks_refuses_a_webhook_name_another_configuration_has(
+    cluster: Cluster, namespace: str
+) -> None:
+    """The API server counts its calls by webhook name: a name two configurations share
+    (the chart's fixed names, two tests' configurations) would let the other's calls answer
+    the wait; so each test's names are its own, and a shared one is an error."""
+
+    def configuration(name: str) -> dict[str, Any]:
+        entry = {
+            "name": "pods.hyperpod-sdc.dev",
+            "clientConfig": {"url": "https://127.0.0.1:9/creator"},
+            "rules": [
+                {
+                    "operations": ["CREATE"],
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "resources": ["pods"],
+                }
+            ],
+            "namespaceSelector": {"matchLabels": {TEST_LABEL: f"{namespace}-none"}},
+            "failurePolicy": "Ignore",
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+        }
+        return {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [entry],
+        }
+
+    first, second = configuration(f"{namespace}-a"), configuration(f"{namespace}-b")
+    own_webhook_names([first, second], namespace)  # the same owner: the same names
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    admission.create_validating_webhook_configuration(first)
+    try:
+        admission.create_validating_webhook_configuration(second)
+        try:
+            with pytest.raises(
+                ValueError, match=f"also in ValidatingWebhookConfiguration {namespace}-b"
+            ):
+                await_webhooks(cluster, [first])
+        finally:
+            admission.delete_validating_webhook_configuration(f"{namespace}-b")
+        await_webhooks(cluster, [first], {TEST_LABEL: f"{namespace}-none"})  # its own now
+    finally:
+        admission.delete_validating_webhook_configuration(f"{namespace}-a")
