@@ -107,6 +107,12 @@ class IncidentEngine:
         self.recorded = Effects(records, caches)
         self.actions = Actions(containment, caches, settings, hyperpod, self.effects.emit)
         self.leader = False
+        """Whether this replica acts; set on any thread (:meth:`stop_acting` is the
+        election's), read before each step of a reconcile."""
+        self.leading: Callable[[], bool] = lambda: True
+        """Whether the election still gives this replica the Lease, read on any thread
+        right before an action's intent is recorded and right before it is taken (set by
+        the handlers to the election's ``is_leader``)."""
         self.step_seconds: Callable[[str], float | None] = lambda uid: None
         """Seconds per training step of a job (by uid) from its heartbeats, where known:
         the lost work's GPU-hours estimate (set by the handlers to the heartbeats')."""
@@ -572,10 +578,21 @@ class IncidentEngine:
         self.resync()
 
     def become_standby(self) -> None:
+        self.stop_acting()
+        if self._lane is None or self._lane.here():
+            self._stop_reconciles()
+
+    def stop_acting(self) -> None:
+        """:meth:`become_standby` from any thread (the election's, the moment it stops
+        leading): no step after the current one, and the reconciles on the lane cancelled,
+        without waiting for a turn of the intake's loop. Without a lane the reconciles run
+        on that loop, and the ``on_stop`` that follows there cancels them."""
         self.leader = False
-        if self._elsewhere(self._stop_reconciles):
-            return
-        self._stop_reconciles()
+        if self._lane is not None and self._lane.alive and not self._lane.here():
+            self._lane.call(self._stop_reconciles)
+
+    def _acting(self) -> bool:
+        return self.leader and self.leading()
 
     def _stop_reconciles(self) -> None:
         for task in list(self._reconciles.values()):
@@ -649,6 +666,8 @@ class IncidentEngine:
         stop for now."""
         entry = incidents.pending_entry(incident.get("status") or {}, action)
         outcome: Outcome | None
+        if not self._acting():
+            return None  # checked again right before an intent is recorded and taken
         if rules.dry_run:
             outcome = await self.actions.take(incident, action, rules)
         elif entry is not None:
@@ -664,11 +683,18 @@ class IncidentEngine:
                 if action in incidents.done_actions(status):
                     already.append(True)  # done by the previous leader: our cache was late
                     return None
+                if not self._acting():
+                    already.append(False)
+                    return None
                 return incidents.record_intent(status, action, intent, now_iso())
 
             recorded = await self._write(key, record, self.containment)
-            if recorded is None or already:
+            if recorded is None or already == [False]:
+                return None
+            if already:
                 return recorded
+            if not self._acting():
+                return None  # recorded: the next leader verifies it
             outcome = await self.actions.take(recorded, action, rules)
         if outcome.result == UNKNOWN:
             # asked again every few seconds (a confirmation waiting for another namespace's

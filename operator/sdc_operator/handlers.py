@@ -143,6 +143,7 @@ class Operator:
         self.engine.step_seconds = self.heartbeats.step_seconds
         self.key: AttestationKey | None = None
         self.elector: ElectionThread | None = None
+        self._stopping = False
         self.members = Members(
             self.membership,
             settings.namespace,
@@ -302,9 +303,17 @@ class Operator:
         while not self.caches.synced():
             await asyncio.sleep(0.1)
         self.engine_ready = True
+        self._elect()
+        s = self.settings
+        self._every(s.resync_seconds, self._resync)
+        self._every(min(MEMBERS_EVERY_SECONDS, s.resync_seconds), self._members)
+        self._every(RETENTION_EVERY_SECONDS, self._retention, first=min(5.0, s.resync_seconds))
+
+    def _elect(self) -> None:
+        """Lead once elected (at once without leader election)."""
         s = self.settings
         if s.leader_election:
-            self.elector = ElectionThread(
+            elector = self.elector = ElectionThread(
                 self.coordination,
                 s.namespace,
                 s.lease_name,
@@ -312,15 +321,16 @@ class Operator:
                 s.lease_seconds,
                 on_start=self._lead,
                 on_stop=self._follow,
+                stop_acting=self.engine.stop_acting,
             )
-            self.elector.start()
+            self.engine.leading = lambda: elector.is_leader
+            elector.start()
         else:
             self._lead()
-        self._every(s.resync_seconds, self._resync)
-        self._every(min(MEMBERS_EVERY_SECONDS, s.resync_seconds), self._members)
-        self._every(RETENTION_EVERY_SECONDS, self._retention, first=min(5.0, s.resync_seconds))
 
     def _lead(self) -> None:
+        if self._stopping:
+            return  # won during the shutdown: stop() gives the Lease up
         self.metrics.lead(True)
         self.engine.become_leader()
 
@@ -412,15 +422,19 @@ class Operator:
             )
 
     async def stop(self) -> None:
+        # The engine stops acting, and what it was taking ends, before the Lease is given
+        # up: else the next leader could act while this one still does.
+        self._stopping = True
         await self.optin.stop()
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
-        if self.elector is not None:
-            await self.elector.stop()
         for runner in self._runners:
             await runner.cleanup()
+        self.engine.stop_acting()
         await self.engine.close()
+        if self.elector is not None:
+            await self.elector.stop()
         if self.lane.alive:
             for kube in (self.engine_records, self.containment):  # (their sessions live there)
                 await self.lane.run(kube.close())

@@ -18,8 +18,11 @@ each replica, and this module decides which one acts (patches, SageMaker calls).
 The election runs on a thread and event loop of its own (:class:`ElectionThread`), with
 its own connections to the API server: a storm that saturates the intake's event loop
 cannot delay a renewal past the deadline and cost the leader its Lease. Its decisions reach
-the operator's loop as callbacks; a standby waits a whole ``lease_seconds`` on its own
-clock, so the leader's loop has ``0.3 * lease_seconds`` to take in a "stop acting".
+the operator's loop as callbacks, but that loop may be seconds late in a storm: "stop
+acting" is also handed, on the election's thread and at once, to ``stop_acting``
+(the engine's, which runs on a thread of its own too), well within the
+``0.3 * lease_seconds`` before a standby may take over (it waits a whole
+``lease_seconds`` on its own clock).
 
 Each replica also keeps a member Lease (``<lease>-member-<hash of its name>``) that says,
 in an annotation, when it last heard a heartbeat from each job; the leader reads them to
@@ -224,7 +227,8 @@ class LeaderElector:
 class ElectionThread:
     """A :class:`LeaderElector` on a thread and event loop of its own, whose ``kube`` is
     used (and closed) there only; ``on_start`` and ``on_stop`` run on the loop that called
-    :meth:`start`."""
+    :meth:`start`, ``stop_acting`` on the election's thread, before ``on_stop`` is posted
+    and before the Lease is given up (it must be safe to call from any thread)."""
 
     def __init__(
         self,
@@ -236,8 +240,10 @@ class ElectionThread:
         *,
         on_start: Callable[[], None],
         on_stop: Callable[[], None],
+        stop_acting: Callable[[], None] = lambda: None,
     ) -> None:
         self._on_start, self._on_stop = on_start, on_stop
+        self._stop_acting = stop_acting
         self.elector = LeaderElector(
             kube,
             namespace,
@@ -266,6 +272,7 @@ class ElectionThread:
         self._main.call_soon_threadsafe(self._on_start)
 
     def _stopped(self) -> None:
+        self._stop_acting()
         self._main.call_soon_threadsafe(self._on_stop)
 
     async def stop(self) -> None:

@@ -829,6 +829,7 @@ def test_a_confirmation_waiting_for_another_namespaces_pod_warns_once(
     engine = IncidentEngine(
         OperatorSettings(), Metrics(), fake, records=nothing, containment=nothing
     )
+    engine.leader = True  # only a leader acts (or verifies)
     action = Action("confirm-node", "node-b")
     status = quarantined()
     status["actions"].append({"action": "confirm-node", "target": "node-b", "result": "Pending"})

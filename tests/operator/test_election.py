@@ -340,3 +340,177 @@ def test_a_saturated_event_loop_does_not_cost_the_lease() -> None:
     assert renewed >= 10, f"{renewed} renewals in 3.5 s"
     events, renewed = asyncio.run(block(threaded=False))
     assert events[:2] == ["start", "stop"], "the election on the blocked loop kept its Lease"
+
+
+class _Acting:
+    """A reconcile that makes API calls for as long as the engine says it leads: when each
+    was sent and when each ended (answered or cancelled)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.sent: list[float] = []
+        self.ended: list[float] = []
+        self.running = False
+
+    async def reconcile(self, namespace: str, name: str) -> None:
+        self.running = True
+        try:
+            while True:
+                at = time.monotonic()  # before the check: a call that saw "leader" is earlier
+                if not self.engine.leader:
+                    return
+                self.sent.append(at)
+                try:
+                    await asyncio.sleep(0.005)  # one containment API call
+                finally:
+                    self.ended.append(time.monotonic())
+        finally:
+            self.running = False
+
+
+def _storm(busy: list[bool]) -> None:
+    """A turn of the intake's loop that takes 20 ms, queued again while ``busy``."""
+    time.sleep(0.02)
+    if busy[0]:
+        asyncio.get_running_loop().call_soon(_storm, busy)
+
+
+@pytest.mark.timing
+def test_a_leader_that_loses_the_lease_stops_acting_while_the_intakes_loop_is_busy() -> None:
+    """The renewals fail while a storm holds the intake's loop: the election stops leading
+    (after 0.7 s with a 1 s Lease), and the engine on its own lane makes no API call after
+    that, although the intake's loop takes the "stop acting" in only 0.5 s later. The old
+    wiring (the stop reaching the engine through the intake's loop only) goes on acting
+    meanwhile, which shows the test can fail. No fixed wait: the loop is held until the
+    election has stopped leading, then 0.5 s more. Timing: only the old wiring's count
+    depends on it (measured 83 calls, the last 0.50 s late, on the loaded 2-core machine,
+    against the asserted > 10 and > 0.3 s)."""
+    from sdc_operator.engine import IncidentEngine
+    from sdc_operator.lane import LoopThread
+    from sdc_operator.leader import ElectionThread
+    from sdc_operator.settings import OperatorSettings
+    from tests.operator.test_resync import Caches
+
+    async def lose(wired: bool) -> tuple[_Acting, float]:
+        lane = LoopThread("incident engine")
+        lane.start()
+        nothing: Any = None
+        fake: Any = Caches("a")
+        engine = IncidentEngine(
+            OperatorSettings(), Metrics(), fake, records=nothing, containment=nothing, lane=lane
+        )
+        acting = _Acting(engine)
+        engine.reconcile = acting.reconcile  # type: ignore[method-assign]
+        stopped: list[float] = []
+
+        def stop_acting() -> None:  # on the election's thread
+            if wired:
+                engine.stop_acting()
+            stopped.append(time.monotonic())
+
+        leases = Leases()
+        election = ElectionThread(
+            leases,  # type: ignore[arg-type]
+            "ns",
+            "lease",
+            "me",
+            1.0,
+            on_start=engine.become_leader,
+            on_stop=engine.become_standby,
+            stop_acting=stop_acting,
+        )
+        election.start()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if engine.leader:
+                break
+        engine.schedule("ml", "a")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if acting.sent:
+                break
+        leases.down = True  # the renewals fail from now on
+        deadline = time.monotonic() + 10.0
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.01)  # the intake's loop busy with a storm
+        assert stopped, "the election never stopped leading"
+        time.sleep(0.5)
+        for _ in range(200):  # the loop takes the "stop acting" in; the reconcile ends
+            await asyncio.sleep(0.01)
+            if not acting.running:
+                break
+        assert not acting.running
+        await election.stop()
+        await engine.close()
+        await lane.stop()
+        return acting, stopped[0]
+
+    acting, stopped = asyncio.run(lose(wired=True))
+    assert acting.sent and [t for t in acting.sent if t > stopped] == []
+    acting, stopped = asyncio.run(lose(wired=False))
+    late = [t - stopped for t in acting.sent if t > stopped]
+    assert len(late) > 10 and max(late) > 0.3, late
+
+
+@pytest.mark.timing
+def test_a_clean_stop_ends_the_engines_calls_before_it_gives_the_lease_up() -> None:
+    """Operator.stop while a storm keeps the intake's loop busy: the engine's calls stop,
+    and those in flight end, before the Lease is given up (holderIdentity ""), so the
+    replica that takes over next never acts at the same time. The old order (the Lease
+    given up first, the engine stopped through the intake's loop) goes on calling after
+    it, which shows the test can fail. Timing: only the old order's count depends on it
+    (measured 30 calls after the Lease was given up, loaded, against the asserted >= 5)."""
+    from sdc_operator.handlers import Operator
+    from sdc_operator.kube import Endpoint
+    from sdc_operator.settings import OperatorSettings
+
+    class Released(Leases):
+        at: float | None = None
+
+        async def replace(self, api_version: str, plural: str, ns: Any, body: Any) -> Any:
+            written = await super().replace(api_version, plural, ns, body)
+            if body["spec"]["holderIdentity"] == "":
+                self.at = time.monotonic()
+            return written
+
+    async def stop(old_order: bool) -> tuple[_Acting, float]:
+        settings = OperatorSettings.from_env({"HYPERPOD_SDC_LEASE_SECONDS": "10"})
+        operator = Operator(settings, Endpoint("https://127.0.0.1:1", False))
+        leases = Released()
+        operator.coordination = leases  # type: ignore[assignment]
+        acting = _Acting(operator.engine)
+        operator.engine.reconcile = acting.reconcile  # type: ignore[method-assign]
+        operator.lane.start()
+        operator._elect()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if operator.engine.leader:
+                break
+        operator.engine.schedule("ml", "a")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if acting.sent:
+                break
+        busy = [True]
+        for _ in range(10):  # each turn of the loop waits 0.2 s behind them
+            asyncio.get_running_loop().call_soon(_storm, busy)
+        if old_order:  # as before: the Lease first, the engine through the intake's loop
+            assert operator.elector is not None
+            operator.elector._stop_acting = lambda: None
+            await operator.elector.stop()
+            busy[0] = False
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if not acting.running:
+                    break
+        await operator.stop()
+        busy[0] = False
+        assert leases.at is not None, "the Lease was not given up"
+        assert not acting.running
+        return acting, leases.at
+
+    acting, released = asyncio.run(stop(old_order=False))
+    assert acting.sent and max(acting.ended) < released
+    acting, released = asyncio.run(stop(old_order=True))
+    late = [t - released for t in acting.sent if t > released]
+    assert len(late) >= 5, late
