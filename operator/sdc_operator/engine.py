@@ -683,6 +683,11 @@ class IncidentEngine:
                 if action in incidents.done_actions(status):
                     already.append(True)  # done by the previous leader: our cache was late
                     return None
+                if incidents.pending_entry(status, action) is not None:
+                    # recorded meanwhile (another leader, after a conflict): verified
+                    # next, never overwritten and taken again
+                    already.append(True)
+                    return None
                 if not self._acting():
                     already.append(False)
                     return None

@@ -854,3 +854,73 @@ def test_a_confirmation_waiting_for_another_namespaces_pod_warns_once(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and "team-b/x" in warned[0] and "team-b/z" in warned[1], warned
     assert len([r for r in caplog.records if "verifying before" in r.getMessage()]) == 7
+
+
+def test_an_intent_another_leader_recorded_first_is_verified_not_overwritten_and_taken() -> None:
+    """Two replicas acting at once (a handover): this one's intent write meets a conflict,
+    and the incident read again holds the other's ``Pending`` entry for the same action.
+    That entry is kept (not overwritten with this replica's intent) and the action is not
+    taken here; the next step verifies it. Without the conflict, the same call records
+    the intent and takes the action, which shows the test can fail. A replica that no
+    longer leads records nothing and takes nothing."""
+    from sdc_operator.actions import Outcome
+    from sdc_operator.engine import IncidentEngine
+    from sdc_operator.metrics import Metrics
+
+    action = Action("confirm-node", "node-b")
+    theirs = {"action": "confirm-node", "target": "node-b", "result": "Pending", "at": "t0"}
+
+    def run(conflict: bool, leading: bool = True) -> tuple[list[str], dict[str, Any]]:
+        before = incident(quarantined(), bundle=BUNDLE)
+        before["metadata"]["resourceVersion"] = "1"
+        stored = {"incident": copy.deepcopy(before)}
+        if conflict:
+            stored["incident"]["status"]["actions"].append(dict(theirs))
+            stored["incident"]["metadata"]["resourceVersion"] = "2"
+        cache = {"incident": before}
+        taken: list[str] = []
+
+        class Kube:
+            async def replace_incident_status(self, body: dict[str, Any]) -> dict[str, Any]:
+                if (
+                    body["metadata"]["resourceVersion"]
+                    != stored["incident"]["metadata"]["resourceVersion"]
+                ):
+                    raise ApiError(409, "conflict")
+                stored["incident"] = copy.deepcopy(body)
+                return body
+
+            async def get_incident(self, namespace: str, name: str) -> dict[str, Any]:
+                return copy.deepcopy(stored["incident"])
+
+        class Incidents:
+            def get(self, namespace: str, name: str) -> dict[str, Any]:
+                return cache["incident"]
+
+            def upsert(self, written: dict[str, Any]) -> None:
+                cache["incident"] = written
+
+        fake: Any = type("C", (), {"incidents": Incidents()})()
+        kube: Any = Kube()
+        engine = IncidentEngine(OperatorSettings(), Metrics(), fake, records=kube, containment=kube)
+        engine.leader = True
+        engine.leading = lambda: leading
+
+        async def intent(*_: Any) -> dict[str, Any]:
+            return {"mine": True}
+
+        async def take(*_: Any) -> Outcome:
+            taken.append(action.action)
+            return Outcome("Failed", "stopped here")
+
+        engine.actions.intent = intent  # type: ignore[method-assign,assignment]
+        engine.actions.take = take  # type: ignore[method-assign,assignment]
+        asyncio.run(engine._act(("ml", "llama-1200-3f9a0b1c"), before, action, Rules()))
+        return taken, stored["incident"]
+
+    taken, stored = run(conflict=True)
+    assert taken == [] and stored["status"]["actions"][-1] == theirs
+    taken, stored = run(conflict=False)
+    assert taken == ["confirm-node"] and stored["status"]["actions"][-1]["result"] == "Failed"
+    taken, stored = run(conflict=False, leading=False)
+    assert taken == [] and stored["status"]["actions"][-1]["action"] == "resume-job"
