@@ -5,7 +5,11 @@ step applied, checkpoints still verified, guarded training bitwise equal to ungu
 suite trains those runs shorter (enough for several audit intervals and every check kind, see
 each test's docstring); this bench runs the **same tests, with the same assertions**, at 200
 steps: it sets ``HYPERPOD_SDC_LONG_CLEAN_RUNS=1`` (``tests/distributed/drills.py``'s
-``clean_steps``) and runs pytest on them. Prints JSON: each test, its outcome and seconds.
+``clean_steps``) and runs pytest on them. Prints JSON: each test, its outcome and seconds,
+and the steps each of its long runs trained as the ranks report them (``steps_trained``,
+which each test records in the JUnit XML and asserts to be 200 under that variable); a test
+that shows fewer, or none, fails the bench. ``uncommitted_changes`` lists modified and
+untracked files.
 
     .venv/bin/python bench/clean_runs.py [--only bf16,fsdp,...] > bench/results/clean-runs-….json
 
@@ -47,6 +51,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 ENV = "HYPERPOD_SDC_LONG_CLEAN_RUNS"
 STEPS = 200
+STEPS_PROPERTY = "steps_trained:"
+"""What each test records (``tests/distributed/drills.py``'s ``trained``): a clean run's
+length as its ranks report it, by scenario."""
 GROUPS: dict[str, list[str]] = {
     "bf16": [
         "tests/distributed/test_bf16.py::test_bf16_noise_alone_names_nobody_and_keeps_verifying",
@@ -105,6 +112,8 @@ def run_group(name: str, tests: list[str]) -> dict[str, Any]:
                 "-p",
                 "no:xdist",
                 f"--junitxml={report}",
+                "-o",
+                "junit_family=xunit1",  # where record_property (steps_trained) is not a warning
                 *tests,
             ],
             cwd=ROOT,
@@ -121,11 +130,19 @@ def run_group(name: str, tests: list[str]) -> dict[str, Any]:
                 for child in case:
                     if child.tag in ("failure", "error", "skipped"):
                         outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                steps = {
+                    str(p.get("name")).removeprefix(STEPS_PROPERTY): int(p.get("value", "0"))
+                    for p in case.iter("property")
+                    if str(p.get("name")).startswith(STEPS_PROPERTY)
+                }
                 cases.append(
                     {
                         "test": f"{case.get('classname')}::{case.get('name')}",
                         "outcome": outcome,
                         "seconds": round(float(case.get("time", 0.0)), 1),
+                        "steps_trained": steps,
+                        "trained_all_steps": bool(steps)
+                        and all(n == STEPS for n in steps.values()),
                     }
                 )
     out: dict[str, Any] = {
@@ -140,6 +157,17 @@ def run_group(name: str, tests: list[str]) -> dict[str, Any]:
     return out
 
 
+def passed(results: list[dict[str, Any]]) -> bool:
+    """Every group's pytest passed, and each test passed and recorded runs of :data:`STEPS`
+    steps (a test that records none, or fewer, did not show the length)."""
+    return all(
+        g["pytest_exit"] == 0
+        and g["tests"]
+        and all(t["outcome"] == "passed" and t["trained_all_steps"] for t in g["tests"])
+        for g in results
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help=f"comma-separated groups of {list(GROUPS)}")
@@ -152,7 +180,7 @@ def main() -> int:
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     changed = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        ["git", "status", "--porcelain", "--untracked-files=all"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -173,15 +201,12 @@ def main() -> int:
                 "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
                 "python": platform.python_version(),
                 "groups": results,
-                "all_passed": all(
-                    g["pytest_exit"] == 0 and all(t["outcome"] == "passed" for t in g["tests"])
-                    for g in results
-                ),
+                "all_passed": passed(results),
             },
             indent=2,
         )
     )
-    return 0 if all(g["pytest_exit"] == 0 for g in results) else 1
+    return 0 if passed(results) else 1
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ the length of their long clean runs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sdc_agent.drill import Drill, DrillRank, run_drill
 
 LONG_CLEAN_RUNS_ENV = "HYPERPOD_SDC_LONG_CLEAN_RUNS"
 LONG_CLEAN_STEPS = 200
+RecordProperty = Callable[[str, object], None]
+"""pytest's ``record_property`` fixture."""
 
 
 def clean_steps(short: int) -> int:
@@ -19,6 +21,16 @@ def clean_steps(short: int) -> int:
     show) where ``HYPERPOD_SDC_LONG_CLEAN_RUNS=1``, which ``bench/clean_runs.py`` sets to
     run the same tests, with the same assertions, at that length."""
     return LONG_CLEAN_STEPS if os.environ.get(LONG_CLEAN_RUNS_ENV) == "1" else short
+
+
+def trained(record_property: RecordProperty, scenario: str, r: DrillRank) -> None:
+    """A long clean run's length as the ranks report it (one ``applied`` entry per step they
+    trained), recorded for ``bench/clean_runs.py`` to read from the JUnit XML
+    (``steps_trained:<scenario>``); where ``HYPERPOD_SDC_LONG_CLEAN_RUNS=1`` it must be
+    :data:`LONG_CLEAN_STEPS`, asserted against what ran rather than :func:`clean_steps`."""
+    record_property(f"steps_trained:{scenario}", len(r.applied))
+    if os.environ.get(LONG_CLEAN_RUNS_ENV) == "1":
+        assert len(r.applied) == LONG_CLEAN_STEPS, f"{scenario} trained {len(r.applied)} steps"
 
 
 def run_scenarios(

@@ -37,7 +37,7 @@ from sdc_agent.audit import REAUDITS, audited_micro_batch
 from sdc_agent.drill import GPT2_MIDDLE, MARKED, Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 
-from .drills import accusations, agreed, clean_steps, run_scenarios
+from .drills import RecordProperty, accusations, agreed, clean_steps, run_scenarios, trained
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -161,10 +161,12 @@ def results() -> dict[str, list[DrillRank]]:
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("noise", list(NOISE))
 def test_bf16_noise_alone_names_nobody_and_keeps_verifying(
-    results: dict[str, list[DrillRank]], noise: str, model: str
+    results: dict[str, list[DrillRank]], noise: str, model: str, record_property: RecordProperty
 ) -> None:
     """40 steps here, 200 in bench/clean_runs.py (issue 21's length): the same assertions."""
-    r = agreed(results[f"{noise}_clean" if model == "mlp" else f"gpt2_{noise}_clean"])
+    scenario = f"{noise}_clean" if model == "mlp" else f"gpt2_{noise}_clean"
+    r = agreed(results[scenario])
+    trained(record_property, scenario, r)
     assert accusations(r) == [], [v["message"] for v in r.verdicts]
     assert len(r.applied) == CLEAN_STEPS
     assert sum(r.applied) >= 0.99 * len(r.applied)

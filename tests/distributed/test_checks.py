@@ -15,7 +15,7 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank, run_drill
 from sdc_agent.faults import FaultSpec
 
-from .drills import clean_steps
+from .drills import RecordProperty, clean_steps, trained
 
 pytestmark = pytest.mark.distributed
 
@@ -157,7 +157,9 @@ def same_on_every_rank(ranks: list[DrillRank]) -> DrillRank:
     return first
 
 
-def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]]) -> None:
+def test_clean_runs_raise_nothing(
+    world: tuple[int, dict[str, list[DrillRank]]], record_property: RecordProperty
+) -> None:
     size, results = world
     for name in ("clean", "clean_defaults", "low_level_clean"):
         if name not in results:
@@ -168,6 +170,7 @@ def test_clean_runs_raise_nothing(world: tuple[int, dict[str, list[DrillRank]]])
         assert len({x.final_fingerprint for x in results[name]}) == 1
     if size == 3:
         clean = same_on_every_rank(results["clean"])
+        trained(record_property, "clean", clean)
         assert clean.last_clean_step == list(range(1, CLEAN_STEPS + 1))
     # The low-level form cannot run the replay audit (replay_every is at its default):
     # last_clean_step follows the weight check alone.

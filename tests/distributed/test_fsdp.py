@@ -180,11 +180,13 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
 
 
 def test_long_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
-    world: tuple[str, dict[str, list[DrillRank]]],
+    world: tuple[str, dict[str, list[DrillRank]]], record_property: drills.RecordProperty
 ) -> None:
     """20 steps here, 200 in bench/clean_runs.py (issue 26's length): the same assertions."""
     layout, results = world
     r = agreed(results["long_clean"])
+    drills.trained(record_property, f"{layout}_long_clean", r)
+    drills.trained(record_property, f"{layout}_long_plain", agreed(results["long_plain"]))
     assert r.verdicts == []
     assert r.applied == [True] * LONG_STEPS
     # The audit vouches for its own steps: last_clean_step reaches each audited step and

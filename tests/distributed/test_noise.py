@@ -18,7 +18,7 @@ import pytest
 from sdc_agent.drill import Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 
-from .drills import accusations, agreed, clean_steps, run_scenarios
+from .drills import RecordProperty, accusations, agreed, clean_steps, run_scenarios, trained
 
 # slow: long runs under emulated noise (setup about 90 s on 2 cores). Not timing: the drill's
 # noise comes from a generator seeded per rank, so what is detected does not depend on load.
@@ -110,9 +110,10 @@ def results() -> dict[str, list[DrillRank]]:
 
 
 def test_run_to_run_noise_accuses_nobody_and_drops_no_step(
-    results: dict[str, list[DrillRank]],
+    results: dict[str, list[DrillRank]], record_property: RecordProperty
 ) -> None:
     r = agreed(results["noise_clean"])
+    trained(record_property, "noise_clean", r)
     assert accusations(r) == []
     assert sum(r.applied) >= 0.95 * len(r.applied)
     # Reported once per job, not once per audit.
@@ -141,9 +142,10 @@ def test_a_fault_above_the_noise_is_localized_within_one_interval(
 
 
 def test_dense_gradient_noise_is_quiet_and_every_step_applied(
-    results: dict[str, list[DrillRank]],
+    results: dict[str, list[DrillRank]], record_property: RecordProperty
 ) -> None:
     r = agreed(results["dense_noise_clean"])
+    trained(record_property, "dense_noise_clean", r)
     assert accusations(r) == []
     assert all(r.applied), f"{r.applied.count(False)} of {len(r.applied)} steps dropped"
     assert [v["classification"] for v in r.verdicts] == ["nondeterministic"]
