@@ -73,6 +73,7 @@ class Flood:
                 )
             token = self.tokens[n % len(self.tokens)]
             n += self.sources
+            response = None
             try:
                 conn.request(
                     "POST",
@@ -94,6 +95,12 @@ class Flood:
                 if conn is not None:
                     conn.close()
                 conn = None
+            finally:
+                # a response not read to its end keeps the socket open past conn.close(),
+                # until the garbage collector finds it, in a later test (its unclosed
+                # socket's ResourceWarning failed test_listeners in a loaded repeat)
+                if response is not None:
+                    response.close()
             self.statuses[outcome] += 1
             self.sent += 1
             next_at += interval

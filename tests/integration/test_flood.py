@@ -89,7 +89,12 @@ def test_new_bogus_tokens_from_a_few_sources_leave_the_review_budget_to_new_agen
     contained = time.monotonic() - second
     got = flood.stop()
     print(f"flood {got}; contained {contained:.2f} s after the second report")
-    assert got["rate_achieved"] > 600, got  # the machine could drive the flood
+    # the machine drove the flood past twice the shared budget's refill (200 reviews a
+    # second, the default): without the per-source limit it would have spent the
+    # 200-review burst within the second before the agents report. (Not its 1,500 a
+    # second: with the other core busy the flood and the operator share one, and the flood
+    # sends only as fast as it is answered; 430-510 a second in loaded repeats.)
+    assert got["rate_achieved"] > 2 * 200.0, got
     assert "429" in got["answers"], got  # the flood was limited ...
     # ... and the agents were not: their first try was accepted
     assert [a[0] for a in answers] == [202, 202], answers
