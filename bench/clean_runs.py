@@ -111,9 +111,7 @@ def run_group(name: str, tests: list[str]) -> dict[str, Any]:
                 "no:cacheprovider",
                 "-p",
                 "no:xdist",
-                f"--junitxml={report}",
-                "-o",
-                "junit_family=xunit1",  # where record_property (steps_trained) is not a warning
+                f"--junitxml={report}",  # xunit1 (pyproject.toml): steps_trained recorded
                 *tests,
             ],
             cwd=ROOT,
