@@ -272,8 +272,10 @@ class ElectionThread:
         self._main.call_soon_threadsafe(self._on_start)
 
     def _stopped(self) -> None:
-        self._stop_acting()
-        self._main.call_soon_threadsafe(self._on_stop)
+        try:
+            self._stop_acting()
+        finally:  # the loop's side (metrics, standby) whatever happened on the engine's
+            self._main.call_soon_threadsafe(self._on_stop)
 
     async def stop(self) -> None:
         """Stop the election (giving the Lease up if held), then the thread."""
