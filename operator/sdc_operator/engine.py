@@ -574,6 +574,8 @@ class IncidentEngine:
         ]
 
     def become_leader(self) -> None:
+        if not self.leading():
+            return  # a start posted before the election lost the Lease again, run late
         self.leader = True
         self.resync()
 

@@ -188,3 +188,22 @@ def test_a_lane_starts_once() -> None:
         lane.start()
     asyncio.run(lane.stop())
     assert not lane.alive
+
+
+def test_a_start_run_after_the_lease_was_lost_again_makes_no_leader() -> None:
+    """The election posts its start to the operator's loop; a storm can hold it there until
+    the Lease is lost again (the stop reaches the engine at once, from the election's
+    thread): run late, the start must not make the engine act (review of 0102219)."""
+    nothing: Any = None
+    fake: Any = Caches("a")
+    engine = IncidentEngine(
+        OperatorSettings(), Metrics(), fake, records=nothing, containment=nothing
+    )
+    resyncs: list[int] = []
+    engine.resync = lambda: resyncs.append(1)  # type: ignore[method-assign]
+    engine.leading = lambda: False
+    engine.become_leader()
+    assert engine.leader is False
+    engine.leading = lambda: True
+    engine.become_leader()
+    assert engine.leader is True and resyncs == [1]
