@@ -108,6 +108,9 @@ def _child(request: dict[str, Any], reply_fd: int) -> None:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()  # before the threads are joined, as the interpreter does
+            code = 1
         finally:
             import atexit
 
