@@ -46,6 +46,9 @@ __all__ = ["Operator"]
 log = logging.getLogger(__name__)
 RETENTION_EVERY_SECONDS = 600.0
 MEMBERS_EVERY_SECONDS = 5.0
+SAGEMAKER_FINISH_SECONDS = 15.0
+"""How long a stopping operator waits for a SageMaker call in flight before it gives the
+Lease up (within the chart's terminationGracePeriodSeconds of 30)."""
 OTHER_LISTENER_CONNECTIONS = 512
 """Connections the admission and metrics listeners hold open at once, each (the API
 server and the probes open few; a flood of either cannot grow memory without bound)."""
@@ -433,6 +436,14 @@ class Operator:
             await runner.cleanup()
         self.engine.stop_acting()
         await self.engine.close()
+        # A SageMaker call runs on the pool's thread, which cancelling its task does not
+        # stop: wait for it too (within the pod's 30 s grace period).
+        if not await self.hyperpod.finish(SAGEMAKER_FINISH_SECONDS):
+            log.warning(
+                "stopping: a SageMaker call still in flight after %.0f s; the next leader "
+                "verifies its intent before calling again",
+                SAGEMAKER_FINISH_SECONDS,
+            )
         if self.elector is not None:
             await self.elector.stop()
         if self.lane.alive:

@@ -120,5 +120,16 @@ class HyperPodNodes:
             return True, f"{name}({cluster}) accepted {instance_id}"
         return False, f"{name}({cluster}) did not mention {instance_id}: {response}"
 
+    async def finish(self, timeout: float) -> bool:
+        """Wait (up to ``timeout``) for the calls already sent to end, and take no more;
+        whether they ended. The Lease is given up after this: a call still in flight then
+        could meet the next leader's verification of the same intent."""
+        done = asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        try:
+            await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
