@@ -44,10 +44,8 @@ def job(
 
     Each process is forked from one that imported torch once (``sdc_harness.zygote``, as the
     demo's kubelet stand-in starts a pod's workers): about 3 s of CPU less per process, 10
-    processes here. The example and its own imports (the agent, examples/train.py) still run
-    from the start in each process; only torch's modules are inherited. A fresh interpreter's
-    start-up under torchrun is tested for the README's examples
-    (tests/distributed/test_quickstart.py), not for this one."""
+    processes here. A fresh interpreter's start-up of the examples under torchrun is
+    tests/distributed/test_quickstart.py's."""
     world, port = nodes * per_node, free_port()
     logs = result.with_suffix(".logs")
     logs.mkdir()
