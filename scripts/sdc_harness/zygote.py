@@ -50,6 +50,12 @@ def _main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # The fork server is the caller's one per process: another user of it (the agent's
+    # spawn_local) may have started it first, without OMP_NUM_THREADS=1 (then 2 threads on
+    # the 2-core machine, whose MKL may pick a different kernel mid-run under load).
+    import torch  # preloaded: nothing to import here
+
+    torch.set_num_threads(int(THREADS))
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = str(Path(script).resolve().parent)
