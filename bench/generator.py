@@ -43,10 +43,11 @@ def _serve(
     directory: Path,
     ca: Path | None,
     sources: list[str | None],
+    verdict_urls: list[str | None],
 ) -> None:
     """One generator process: its agents, then commands from the coordinator until
     ``close``."""
-    agents = storm.agents(urls, tokens, directory, ca, sources)
+    agents = storm.agents(urls, tokens, directory, ca, sources, verdict_urls)
     pipe.send(("ready", os.getpid()))
     while True:
         command, argument = pipe.recv()
@@ -77,6 +78,7 @@ def _serve(
         elif command == "release":
             reports, at, timeout = argument
             opened = sum(a.connections_opened for a in agents)
+            to_verdict_port = sum(a.verdict_connections for a in agents)
             time.sleep(max(0.0, at - time.monotonic()))
             cpu = _cpu_seconds()
             senders, released = storm.release(agents, reports, timeout)
@@ -88,15 +90,17 @@ def _serve(
                         "released": released,
                         "cpu_s": _cpu_seconds() - cpu,
                         "connections_opened": sum(a.connections_opened for a in agents) - opened,
+                        "verdict_port_connections": sum(a.verdict_connections for a in agents)
+                        - to_verdict_port,
                     },
                 )
             )
 
 
 class Generator:
-    """``len(urls)`` agents (node ``i`` reports to ``urls[i]`` with ``tokens[i]`` from
-    ``sources[i]``) over ``processes`` processes: node ``i`` lives in process
-    ``i % processes``."""
+    """``len(urls)`` agents (node ``i`` reports to ``urls[i]``, and its verdicts to
+    ``verdict_urls[i]`` where given, with ``tokens[i]`` from ``sources[i]``) over
+    ``processes`` processes: node ``i`` lives in process ``i % processes``."""
 
     def __init__(
         self,
@@ -106,8 +110,10 @@ class Generator:
         ca: Path | None,
         sources: list[str | None],
         processes: int,
+        verdict_urls: list[str | None] | None = None,
     ) -> None:
         self.nodes = len(urls)
+        verdict_urls = verdict_urls or [None] * self.nodes
         self.processes = max(1, min(processes, self.nodes))
         context = multiprocessing.get_context("spawn")  # no threads of ours inherited
         self._pipes: list[Connection] = []
@@ -124,6 +130,7 @@ class Generator:
                     directory / f"process-{p}",
                     ca,
                     [sources[i] for i in mine],
+                    [verdict_urls[i] for i in mine],
                 ),
                 daemon=True,
             )
@@ -183,6 +190,7 @@ class Generator:
             {
                 "generator_cpu_s": round(sum(a["cpu_s"] for a in answers), 2),
                 "connections_opened": sum(a["connections_opened"] for a in answers),
+                "verdict_port_connections": sum(a["verdict_port_connections"] for a in answers),
             },
         )
 

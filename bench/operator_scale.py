@@ -245,6 +245,7 @@ def production(
     down: bool = False,
     keep_logs: Path | None = None,
     trace: Path | None = None,
+    old_agents: bool = False,
 ) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
@@ -254,7 +255,10 @@ def production(
     ``profile``: the (first) operator runs under cProfile, its statistics written there.
     ``down``: with two replicas, the leader is stopped before the warm-up (a rollout with
     one replica down): every agent reports to the survivor, as through the Service.
-    ``keep_logs``: the operators' logs are copied there."""
+    ``keep_logs``: the operators' logs are copied there. The agents send their verdicts
+    to the operator's verdict port, as the chart's webhook tells them to; ``old_agents``:
+    they know no verdict port (agents of releases before it), everything goes on their
+    kept connection to the main port."""
     from bench.generator import Generator
     from sdc_harness.tls import issue
 
@@ -318,7 +322,12 @@ def production(
             alive = [op for op in ops if op is not leader]
         # the Service splits the agents' connections between the replicas
         urls = [alive[i % len(alive)].url for i in range(nodes)]
-        generator = Generator(urls, tokens, tmp / f"tokens-{nodes}", ca_cert, sources, processes)
+        verdict_urls: list[str | None] = [
+            None if old_agents else alive[i % len(alive)].verdict_url for i in range(nodes)
+        ]
+        generator = Generator(
+            urls, tokens, tmp / f"tokens-{nodes}", ca_cert, sources, processes, verdict_urls
+        )
         try:
             result: dict[str, Any] = {
                 "nodes": nodes,
@@ -326,6 +335,9 @@ def production(
                 "generator_processes": generator.processes,
                 "setup_s": round(setup_s, 1),
                 "settings_raised": notes,
+                "agents": "old: no verdict port, every report on the main port"
+                if old_agents
+                else "verdicts, checkpoint and resume records to the verdict port",
             }
             result["operator_rss_after_start_mb"] = [
                 round(storm.rss_peak_mb(op.proc.pid), 1) for op in alive
@@ -386,6 +398,7 @@ def production(
                     "heartbeats": storm.summary(senders[len(reporters) :]),
                     "first_attempts_answered_within_5_s": round(len(answered) / len(senders), 4),
                     "connections_opened": spent["connections_opened"],
+                    "verdict_port_connections": spent["verdict_port_connections"],
                     "operator_cpu_s": operator_cpu,
                     "generator_cpu_s": spent["generator_cpu_s"],
                     "generator_to_operator_cpu": round(
@@ -491,6 +504,12 @@ def main() -> None:
         "(bench/traced_operator.py), one size only",
     )
     parser.add_argument(
+        "--old-agents",
+        action="store_true",
+        help="--production: the agents know no verdict port (agents of releases before it): "
+        "every report goes on their kept connection to the intake's main port",
+    )
+    parser.add_argument(
         "--keep-logs",
         type=Path,
         default=None,
@@ -511,6 +530,7 @@ def main() -> None:
                         args.replica_down,
                         args.keep_logs,
                         args.trace,
+                        args.old_agents,
                     )
                 )
                 print(json.dumps(runs[-1]), file=sys.stderr)

@@ -84,7 +84,8 @@ async def serve(cert: str, key: str, buffer: int, port: int) -> None:
     context.load_cert_chain(cert, key)
     site = listeners.GuardedSite(
         runner, "127.0.0.1", port, ssl_context=context, handshake_seconds=30,
-        handshakes_per_source=10**6, name="intake", max_connections=10**6,
+        handshakes_per_source=10**6, name="intake",
+        connections=listeners.Connections(max_connections=10**6),
     )  # fmt: skip
     await site.start()
     print("ready", flush=True)

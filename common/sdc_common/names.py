@@ -32,6 +32,7 @@ __all__ = [
     "RESUME_MAX_STEP_ENV",
     "SUSPECT_KEY",
     "TOKEN_FILE_ENV",
+    "VERDICT_URL_ENV",
     "VERSION",
 ]
 
@@ -71,6 +72,9 @@ HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 ENV_PREFIX = "HYPERPOD_SDC_"
 OPERATOR_URL_ENV = "HYPERPOD_SDC_OPERATOR_URL"
 """Base URL of the operator's intake (set by the admission webhook)."""
+VERDICT_URL_ENV = "HYPERPOD_SDC_VERDICT_URL"
+"""Base URL of the intake's verdict listener, for every report but heartbeats (set by the
+admission webhook of releases that have one; unset: everything goes to the intake's URL)."""
 TOKEN_FILE_ENV = "HYPERPOD_SDC_TOKEN_FILE"
 """The projected ServiceAccount token the agent authenticates with."""
 CA_BUNDLE_ENV = "HYPERPOD_SDC_CA_BUNDLE"

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import hashlib
 import hmac
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -142,9 +144,20 @@ class TokenReviewer:
         self._budget = TokenBucket(reviews_per_second, burst)
         self._per_source = RateLimiter(reviews_per_source, source_burst)
         self._cache: OrderedDict[bytes, tuple[float, PodIdentity | Refusal]] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._in_flight: dict[bytes, asyncio.Future[PodIdentity]] = {}
         self.reviews = 0
         """TokenReviews sent (for tests and the bench)."""
+
+    def on(self, kube: Reviewer) -> TokenReviewer:
+        """This reviewer for another thread's event loop, reviewing with ``kube`` (a
+        client of that loop): the same remembered tokens and review budgets (a token
+        reviewed on one loop is not reviewed again on the other); its own reviews in
+        flight (a future belongs to one loop)."""
+        other = copy.copy(self)
+        other._kube = kube
+        other._in_flight = {}
+        return other
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
@@ -160,7 +173,8 @@ class TokenReviewer:
                 if isinstance(cached[1], Refusal):
                     raise cached[1].again()
                 return cached[1]
-            del self._cache[key]
+            with self._cache_lock:
+                self._cache.pop(key, None)
         shared = self._in_flight.get(key)
         if shared is None:
             claims = token_claims(token)
@@ -221,10 +235,11 @@ class TokenReviewer:
             self._in_flight.pop(key, None)
 
     def _remember(self, key: bytes, until: float, value: PodIdentity | Refusal) -> None:
-        self._cache[key] = (until, value)
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._max_cached:
-            self._cache.popitem(last=False)
+        with self._cache_lock:  # (shared with the reviewer of another loop: :meth:`on`)
+            self._cache[key] = (until, value)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
 
     def _identity(self, status: dict[str, Any]) -> PodIdentity:
         if status.get("authenticated") is not True:

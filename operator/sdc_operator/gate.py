@@ -1,13 +1,65 @@
-"""A gate for the intake's checks: at most ``slots`` holders at once, and whoever waits
-with ``first=True`` (a verdict) is let in before anyone without (a heartbeat, a checkpoint
-record)."""
+"""What the intake lets through at once: :class:`PriorityGate` for the checks of one
+listener's reports (at most ``slots`` holders at once, and whoever waits with
+``first=True``, a verdict, is let in before anyone without: a heartbeat, a checkpoint
+record), and :class:`InFlight`, the reports in flight on both report listeners together,
+by lane."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import deque
+from collections.abc import Callable
 
-__all__ = ["PriorityGate"]
+__all__ = ["InFlight", "PriorityGate"]
+
+
+class InFlight:
+    """Reports in flight on the report listeners together (the main port's loop and the
+    verdict port's, on two threads: every change is locked), and the verdicts' lane:
+    how many verdicts are in flight and when the last one was answered, which sheds
+    heartbeats on either listener."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.reports = 0
+        """Reports past the overload check, not yet answered."""
+        self.lanes: dict[str, int] = {"verdict": 0, "heartbeat": 0}
+        """Verdicts and heartbeats past their body, not yet answered."""
+        self.verdict_at = -1e9
+        """When (the clock's time) the last verdict was answered."""
+
+    def enter(self, most: int) -> int | None:
+        """Count a report in, unless ``most`` are in flight: their number then, or ``None``."""
+        with self._lock:
+            if self.reports >= most:
+                return None
+            self.reports += 1
+            return self.reports
+
+    def leave(self, lane: str | None) -> int:
+        """Count a report (of ``lane``, where it got one) out; the number left."""
+        with self._lock:
+            self.reports -= 1
+            if lane is not None:
+                self.lanes[lane] -= 1
+                if lane == "verdict":
+                    self.verdict_at = self._clock()
+            return self.reports
+
+    def join(self, lane: str, most: int | None = None) -> bool:
+        """Count a report into ``lane``, unless ``most`` of its kind are in flight."""
+        with self._lock:
+            if most is not None and self.lanes[lane] >= most:
+                return False
+            self.lanes[lane] += 1
+            return True
+
+    def verdict_recent(self, quiet: float) -> bool:
+        """A verdict is in flight, or was answered less than ``quiet`` seconds ago."""
+        return self.lanes["verdict"] > 0 or self._clock() - self.verdict_at < quiet
 
 
 class PriorityGate:

@@ -32,7 +32,7 @@ from .intake import Intake, json_error_middleware
 from .kube import Endpoint, Kube
 from .lane import LoopThread
 from .leader import ElectionThread, Members
-from .listeners import GuardedSite
+from .listeners import Connections, GuardedSite
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .optin import OptIn
@@ -108,6 +108,13 @@ class Operator:
         # its own, like the election, with pools used there only: its sequential calls do
         # not each wait for a turn of the intake's loop (docs/operator.md).
         self.lane = LoopThread("incident engine")
+        # The verdict listener (verdict_port) serves on a thread and event loop of its own,
+        # with its own pool for the lookups of its reports: a verdict is read, checked and
+        # handed to the engine without waiting behind the heartbeats the main port's loop
+        # reads and sheds (docs/operator.md, "Verdicts first").
+        self.verdict_thread = LoopThread("verdict intake")
+        self.verdict_lookups = Kube(endpoint, name="verdicts", pool_size=8, metrics=metrics)
+        self._verdict_runner: web.AppRunner | None = None
         self.engine_records = Kube(endpoint, name="engine", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         # Retention's deletions (every 10 minutes, on this loop) have their own small pool.
@@ -189,6 +196,10 @@ class Operator:
         if self.engine_ready:
             self.engine.on_pod(old, new)
 
+    def _verdicts_authenticator(self, main: Authenticator) -> Authenticator:
+        """``main`` for the verdict listener's loop: the same remembered tokens."""
+        return main.on(self.verdict_lookups) if isinstance(main, TokenReviewer) else main
+
     def _authenticator(self) -> Authenticator:
         s = self.settings
         if s.auth_mode == "static":
@@ -237,10 +248,11 @@ class Operator:
             log.info("creator check: %s", found)
         self.caches.start()
         resolver = InstanceResolver(_sagemaker_factory(s), cluster_name=s.cluster_name)
+        authenticator = self._authenticator()
         self.intake = Intake(
             s,
             self.caches,
-            self._authenticator(),
+            authenticator,
             self.engine,
             resolver,
             self.heartbeats,
@@ -250,7 +262,6 @@ class Operator:
         )
         self.intake.ready = self.caches.synced
         self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
-        ssl_context = self.serving.context if self.serving is not None else None
         # One listener per audience (.listeners): the tenants reach only the intake.
         admission = web.Application(
             client_max_size=MAX_REVIEW_BYTES + 1, middlewares=[json_error_middleware()]
@@ -260,45 +271,62 @@ class Operator:
         # the admission listener's per address too, with a reserve for the API server's own
         # addresses (read before it listens); the metrics listener's per address too.
         await self.api_server.refresh()
-        limits: dict[str, dict[str, Any]] = {
-            "intake": {
-                "max_connections": s.max_connections,
-                "connections_per_source": s.connections_per_source,
-            },
-            "admission": {
-                "max_connections": OTHER_LISTENER_CONNECTIONS,
-                "connections_per_source": ADMISSION_CONNECTIONS_PER_SOURCE,
-                "reserved": ADMISSION_RESERVED,
-                "reserved_for": self.api_server,
-            },
-            "metrics": {
-                "max_connections": OTHER_LISTENER_CONNECTIONS,
-                "connections_per_source": METRICS_CONNECTIONS_PER_SOURCE,
-            },
+        # The two report listeners count their connections together: an agent's verdict
+        # connection and its kept one count against the same max_connections.
+        reports = Connections(s.max_connections, s.connections_per_source)
+        others = {
+            "admission": Connections(
+                OTHER_LISTENER_CONNECTIONS,
+                ADMISSION_CONNECTIONS_PER_SOURCE,
+                reserved=ADMISSION_RESERVED,
+                reserved_for=self.api_server,
+            ),
+            "metrics": Connections(OTHER_LISTENER_CONNECTIONS, METRICS_CONNECTIONS_PER_SOURCE),
         }
-        for name, app, port in (
-            ("intake", self.intake.app(), s.listen_port),
-            ("admission", admission, s.admission_port),
-            ("metrics", self.intake.monitoring_app(), s.metrics_port),
+        for name, app, port, connections in (
+            ("intake", self.intake.app(), s.listen_port, reports),
+            ("admission", admission, s.admission_port, others["admission"]),
+            ("metrics", self.intake.monitoring_app(), s.metrics_port, others["metrics"]),
         ):
-            runner = self.intake.runner(app)
-            await runner.setup()
-            self._runners.append(runner)
-            site = GuardedSite(
-                runner,
-                s.listen_address,
-                port,
-                ssl_context=ssl_context,
-                handshake_seconds=s.tls_handshake_timeout_seconds,
-                handshakes_per_source=s.handshakes_per_source,
-                name=name,
-                **limits[name],
+            self._runners.append(await self._listen(name, self.intake, app, port, connections))
+        if s.verdict_port:
+            self.verdict_thread.start()
+            verdicts = self.intake.for_verdicts(
+                self.verdict_lookups, self._verdicts_authenticator(authenticator)
             )
-            await site.start()
-            log.info("%s listening on %s", name, site.name)
+            self._verdict_runner = await self.verdict_thread.run(
+                self._listen("verdicts", verdicts, None, s.verdict_port, reports)
+            )
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
         self._every(API_SERVER_EVERY_SECONDS, self.api_server.refresh)
         await self.optin.start()
+
+    async def _listen(
+        self,
+        name: str,
+        intake: Intake,
+        app: web.Application | None,
+        port: int,
+        connections: Connections,
+    ) -> web.AppRunner:
+        """Serve ``app`` (default: ``intake``'s reports app) on ``port``, on the event loop
+        this runs on; its runner."""
+        s = self.settings
+        runner = intake.runner(app)
+        await runner.setup()
+        site = GuardedSite(
+            runner,
+            s.listen_address,
+            port,
+            ssl_context=self.serving.context if self.serving is not None else None,
+            handshake_seconds=s.tls_handshake_timeout_seconds,
+            handshakes_per_source=s.handshakes_per_source,
+            name=name,
+            connections=connections,
+        )
+        await site.start()
+        log.info("%s listening on %s", name, site.name)
+        return runner
 
     async def _elect_when_synced(self) -> None:
         """Act only with full caches: a leader that counted quarantined nodes from a
@@ -432,6 +460,8 @@ class Operator:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        if self._verdict_runner is not None:
+            await self.verdict_thread.run(self._verdict_runner.cleanup())
         for runner in self._runners:
             await runner.cleanup()
         self.engine.stop_acting()
@@ -450,6 +480,9 @@ class Operator:
             for kube in (self.engine_records, self.containment):  # (their sessions live there)
                 await self.lane.run(kube.close())
             await self.lane.stop()
+        if self.verdict_thread.alive:
+            await self.verdict_thread.run(self.verdict_lookups.close())
+            await self.verdict_thread.stop()
         await self.caches.stop()
         self.hyperpod.close()
         for kube in (

@@ -32,7 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV, TOKEN_FILE_ENV
+from sdc_common.names import (
+    CA_BUNDLE_ENV,
+    DEFAULT_TOKEN_FILE,
+    OPERATOR_URL_ENV,
+    TOKEN_FILE_ENV,
+    VERDICT_URL_ENV,
+)
 
 from .attestation import ATTESTATION_ANNOTATION, CREATED_BY_ANNOTATION, MARKER_LABEL
 from .names import GROUP
@@ -95,6 +101,10 @@ class Wiring:
 
     operator_url: str
     """``HYPERPOD_SDC_OPERATOR_URL`` for the agents, e.g. ``https://hyperpod-sdc.hyperpod-sdc.svc:443``."""
+    verdict_url: str | None = None
+    """``HYPERPOD_SDC_VERDICT_URL``: the intake's verdict listener, where the agents send
+    every report but heartbeats; ``None`` sets none (they send everything to
+    ``operator_url``)."""
     token_audience: str
     """Audience of the projected token (the operator's TokenReview audience)."""
     token_expiration_seconds: int = 3600
@@ -121,6 +131,8 @@ def _env_additions(wiring: Wiring) -> list[dict[str, Any]]:
         {"name": OPERATOR_URL_ENV, "value": wiring.operator_url},
         {"name": TOKEN_FILE_ENV, "value": f"{TOKEN_DIR}/{TOKEN_PATH}"},
     ]
+    if wiring.verdict_url:
+        env.append({"name": VERDICT_URL_ENV, "value": wiring.verdict_url})
     if wiring.ca_configmap:
         env.append({"name": CA_BUNDLE_ENV, "value": f"{CA_DIR}/{CA_KEY}"})
     return env

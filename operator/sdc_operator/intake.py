@@ -62,7 +62,7 @@ from .auth import Authenticator, PodIdentity, bearer_token
 from .caches import Caches
 from .engine import IncidentEngine
 from .errors import ApiError, Refusal
-from .gate import PriorityGate
+from .gate import InFlight, PriorityGate
 from .heartbeats import Heartbeats
 from .incidents import JobRef, ResolvedSuspect
 from .injection import matches_any
@@ -186,6 +186,8 @@ class Intake:
         key: AttestationKey | None,
         lookups: Kube,
         clock: Callable[[], float] = time.time,
+        *,
+        verdicts_only: bool = False,
     ) -> None:
         self.settings = settings
         self.caches = caches
@@ -204,13 +206,36 @@ class Intake:
         self.pod_selectors: tuple[dict[str, Any], ...] = ()
         """The admission webhook's pod selectors (set by the operator); empty: not checked."""
         self.ready: Callable[[], bool] = lambda: True
-        self.in_flight = 0
-        self.lanes: dict[str, int] = {"verdict": 0, "heartbeat": 0}
-        """Verdicts and heartbeats past their body, in flight."""
-        self._verdict_at = -1e9
+        self.verdicts_only = verdicts_only
+        """The verdict listener's intake (:meth:`for_verdicts`): heartbeats are refused."""
+        self.in_flight = InFlight()
+        """Reports in flight, by lane (shared with :meth:`for_verdicts`'s intake)."""
         self.gate = PriorityGate(REPORTS_CHECKED_AT_ONCE)
         """Reports whose checks run at once; verdicts wait ahead of anything else."""
         self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
+
+    def for_verdicts(self, lookups: Kube, authenticator: Authenticator) -> Intake:
+        """The intake of the verdict listener (``verdict_port``), to serve on another
+        thread's event loop: the same checks, limits and state (the rate limiters, the
+        reports in flight, the caches, the engine), with that loop's own API client,
+        ``authenticator`` (:meth:`.auth.TokenReviewer.on`: the same reviews, remembered
+        once), checks gate and shared reads; heartbeats are refused there."""
+        other = Intake(
+            self.settings,
+            self.caches,
+            authenticator,
+            self.engine,
+            self.resolver,
+            self.heartbeats,
+            self.metrics,
+            self.key,
+            lookups,
+            self.clock,
+            verdicts_only=True,
+        )
+        other.limiter, other.sources, other.in_flight = self.limiter, self.sources, self.in_flight
+        other.pod_selectors, other.ready = self.pod_selectors, self.ready
+        return other
 
     def app(self) -> web.Application:
         """The tenants' listener: ``/v1/reports`` and nothing else."""
@@ -257,13 +282,13 @@ class Intake:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def post_report(self, request: web.Request) -> web.Response:
-        if self.in_flight >= self.settings.max_in_flight:
+        now = self.in_flight.enter(self.settings.max_in_flight)
+        if now is None:
             self.metrics.refusals.labels("overloaded").inc()
             return _json(
                 503, "overloaded", "too many reports at once; try again", **{"Retry-After": "1"}
             )
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
+        self.metrics.in_flight.set(now)
         try:
             status, body = await self.accept(request)
         except Refusal as refusal:
@@ -279,13 +304,7 @@ class Intake:
                 response.force_close()  # the rest of the body is not worth reading
             return response
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
-            lane = request.get(_LANE)
-            if lane is not None:
-                self.lanes[lane] -= 1
-                if lane == "verdict":
-                    self._verdict_at = time.monotonic()
+            self.metrics.in_flight.set(self.in_flight.leave(request.get(_LANE)))
         return web.json_response(body, status=status)
 
     # -- the checks, in order ---------------------------------------------------------------
@@ -438,24 +457,31 @@ class Intake:
         it is refused later, like any other."""
         kind = _kind_of(raw)
         if kind == "verdict":
-            self.lanes["verdict"] += 1
+            self.in_flight.join("verdict")
             request[_LANE] = "verdict"
             return
         if kind != "heartbeat":
             return
+        if self.verdicts_only:
+            raise Refusal(
+                421,
+                "misdirected",
+                "heartbeats go to the intake's main port (HYPERPOD_SDC_OPERATOR_URL), not "
+                "to the verdict port",
+            )
         s = self.settings
         self._shed_if_busy()
-        if self.lanes["heartbeat"] >= s.max_heartbeats_in_flight:
+        if not self.in_flight.join("heartbeat", s.max_heartbeats_in_flight):
             raise self._shed(
                 f"more than {s.max_heartbeats_in_flight} heartbeats at once; try again "
                 "after Retry-After"
             )
-        self.lanes["heartbeat"] += 1
         request[_LANE] = "heartbeat"
 
     def _shed_if_busy(self) -> None:
-        """A heartbeat is shed while a verdict is in flight or was answered just now."""
-        if self.lanes["verdict"] > 0 or time.monotonic() - self._verdict_at < VERDICT_QUIET:
+        """A heartbeat is shed while a verdict is in flight or was answered just now (on
+        either report listener)."""
+        if self.in_flight.verdict_recent(VERDICT_QUIET):
             raise self._shed(
                 "verdicts first: heartbeats are answered later; try again after Retry-After"
             )

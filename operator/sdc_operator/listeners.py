@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import threading
 from asyncio import sslproto
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -39,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["CONNECTION_BYTES", "TLS_READ_BUFFER", "GuardedSite"]
+__all__ = ["CONNECTION_BYTES", "TLS_READ_BUFFER", "Connections", "GuardedSite"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,62 @@ CONNECTION_BYTES = 96 * 1024
 """What one open connection may cost the operator, TLS and HTTP state together, between
 requests: measured 55 KiB with CPython 3.11 and OpenSSL 3 (295 KiB with asyncio's own
 buffer); the memory bound in docs/operator.md counts this figure per connection."""
+
+
+class Connections:
+    """The open connections one or more sites count together, globally and per client
+    address, with their limits (the two report listeners share one: what an agent holds on
+    both counts once against ``max_connections``, so the memory bound does not grow with
+    the second port). Thread-safe: the sites may serve on different threads' loops."""
+
+    def __init__(
+        self,
+        max_connections: int = 4608,
+        connections_per_source: int | None = None,
+        reserved: int = 0,
+        reserved_for: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        self.max_connections = max_connections
+        self.connections_per_source = connections_per_source
+        self.reserved = reserved
+        self.reserved_for = reserved_for
+        self._lock = threading.Lock()
+        self.connected: Counter[str] = Counter()
+        """Open connections (handshaking or not), by client address."""
+        self.open = 0
+        """Open connections."""
+        self.open_unreserved = 0
+        """Open connections from addresses :attr:`reserved_for` does not name."""
+        self.peak = 0
+        """The most connections that were open at once."""
+
+    def take(self, source: str) -> bool | None:
+        """Count a new connection from ``source``: whether it is one of the reserved
+        addresses', or ``None`` (not counted) where a limit refuses it."""
+        per_source = self.connections_per_source
+        reserved = self.reserved > 0 and source in self.reserved_for()
+        with self._lock:
+            if self.open >= self.max_connections or (
+                not reserved
+                and (
+                    self.open_unreserved >= self.max_connections - self.reserved
+                    or (per_source is not None and self.connected[source] >= per_source)
+                )
+            ):
+                return None
+            self.open += 1
+            self.open_unreserved += not reserved
+            self.peak = max(self.peak, self.open)
+            self.connected[source] += 1
+        return reserved
+
+    def give_back(self, source: str, reserved: bool) -> None:
+        with self._lock:
+            self.open -= 1
+            self.open_unreserved -= not reserved
+            self.connected[source] -= 1
+            if self.connected[source] <= 0:
+                del self.connected[source]
 
 
 class GuardedSite(web.BaseSite):
@@ -69,31 +126,18 @@ class GuardedSite(web.BaseSite):
         handshake_seconds: float,
         handshakes_per_source: int,
         name: str,
-        max_connections: int = 4608,
-        connections_per_source: int | None = None,
-        reserved: int = 0,
-        reserved_for: Callable[[], Collection[str]] = frozenset,
+        connections: Connections,
         backlog: int = 4096,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._tls = host, port, ssl_context
         self._handshake_seconds = handshake_seconds
         self._handshakes_per_source = handshakes_per_source
-        self.max_connections = max_connections
-        self.connections_per_source = connections_per_source
-        self.reserved = reserved
-        self.reserved_for = reserved_for
+        self.connections = connections
+        """Its connections and their limits (shared with another site, or its own)."""
         self._label = name
         self.handshaking: Counter[str] = Counter()
-        """Handshakes in progress, by client address."""
-        self.connected: Counter[str] = Counter()
-        """Open connections (handshaking or not), by client address."""
-        self.open = 0
-        """Open connections."""
-        self.open_unreserved = 0
-        """Open connections from addresses :attr:`reserved_for` does not name."""
-        self.peak = 0
-        """The most connections that were open at once."""
+        """Handshakes in progress on this site, by client address."""
         self._securing: set[_SSLProtocol] = set()
         self.refused = 0
         """Connections reset as they were accepted: too many open, in all or from their
@@ -118,26 +162,14 @@ class GuardedSite(web.BaseSite):
     def _accept(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
-        per_source = self.connections_per_source
-        reserved = self.reserved > 0 and source in self.reserved_for()
-        if (
-            self.open >= self.max_connections
-            or (
-                not reserved
-                and (
-                    self.open_unreserved >= self.max_connections - self.reserved
-                    or (per_source is not None and self.connected[source] >= per_source)
-                )
-            )
-            or (self._tls is not None and self.handshaking[source] >= self._handshakes_per_source)
-        ):
+        if self._tls is not None and self.handshaking[source] >= self._handshakes_per_source:
+            reserved = None
+        else:
+            reserved = self.connections.take(source)
+        if reserved is None:
             self.refused += 1
             transport.abort()
             return
-        self.open += 1
-        self.open_unreserved += not reserved
-        self.peak = max(self.peak, self.open)
-        self.connected[source] += 1
         server = self._runner.server
         assert server is not None
         app_protocol = server()
@@ -175,11 +207,7 @@ class GuardedSite(web.BaseSite):
             log.debug("%s: a TLS handshake from %s failed: %s", self._label, source, exc)
 
     def _closed(self, source: str, reserved: bool) -> None:
-        self.open -= 1
-        self.open_unreserved -= not reserved
-        self.connected[source] -= 1
-        if self.connected[source] <= 0:
-            del self.connected[source]
+        self.connections.give_back(source, reserved)
 
 
 class _Accept(asyncio.Protocol):

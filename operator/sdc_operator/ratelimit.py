@@ -1,8 +1,10 @@
 """Token buckets: per job, per client address, and one for TokenReviews, so a flood from
-one source is refused (429) without slowing the others."""
+one source is refused (429) without slowing the others. Thread-safe: both report listeners
+(on two threads' event loops) take from the same buckets."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,9 +22,14 @@ class TokenBucket:
         self._clock = clock
         self._tokens = float(burst)
         self._last = clock()
+        self._lock = threading.Lock()
 
     def acquire(self) -> float | None:
         """Take one token: ``None`` if granted, else seconds until one is."""
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> float | None:
         now = self._clock()
         self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
         self._last = now
@@ -47,9 +54,14 @@ class RateLimiter:
         self._clock = clock
         self._max_keys = max_keys
         self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
 
     def acquire(self, key: str) -> float | None:
         """Take one token for ``key``: ``None`` if granted, else seconds until one is."""
+        with self._lock:
+            return self._take(key)
+
+    def _take(self, key: str) -> float | None:
         now = self._clock()
         tokens, last = self._buckets.get(key, (float(self.burst), now))
         tokens = min(float(self.burst), tokens + (now - last) * self.rate)

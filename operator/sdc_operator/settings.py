@@ -39,6 +39,11 @@ class OperatorSettings:
     """Address the three listeners (intake, admission, metrics) listen on."""
     listen_port: int = 8443
     """Port of the tenants' intake: ``/v1/reports`` and nothing else."""
+    verdict_port: int = 8444
+    """Port of the intake's verdict listener: ``/v1/reports`` again, for every report but
+    heartbeats, served on a thread and event loop of its own so that a verdict is never read
+    behind a burst of heartbeats (docs/operator.md, "Verdicts first"); agents that do not
+    know it report on ``listen_port``, as before. 0: no verdict listener."""
     admission_port: int = 9443
     """Port of the admission webhook (``/v1/admission/...``), for the API server only."""
     metrics_port: int = 9090
@@ -282,6 +287,15 @@ class OperatorSettings:
                 f"{ENV_OF_FIELD['listen_port']}, {ENV_OF_FIELD['admission_port']} and "
                 f"{ENV_OF_FIELD['metrics_port']} must differ: each listener serves one "
                 "audience",
+            )
+        if not 0 <= self.verdict_port < 65536:
+            raise bad("verdict_port", f"must be a port number or 0, got {self.verdict_port}")
+        if self.verdict_port in {getattr(self, name) for name in ports}:
+            raise bad(
+                "verdict_port",
+                f"must differ from {ENV_OF_FIELD['listen_port']}, "
+                f"{ENV_OF_FIELD['admission_port']} and {ENV_OF_FIELD['metrics_port']}, "
+                f"got {self.verdict_port}",
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise bad("tls_cert_file", f"and {ENV_OF_FIELD['tls_key_file']} go together")

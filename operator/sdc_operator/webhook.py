@@ -112,6 +112,11 @@ class WebhookSettings:
     """The operator's URL as the pods reach it (``HYPERPOD_SDC_OPERATOR_URL`` in them), e.g.
     ``https://hyperpod-sdc.hyperpod-sdc.svc:443``. Unset: nothing is injected (attestations
     are still written)."""
+    inject_verdict_url: str | None = None
+    """The intake's verdict listener as the pods reach it (``HYPERPOD_SDC_VERDICT_URL`` in
+    them), e.g. ``https://hyperpod-sdc.hyperpod-sdc.svc:8444``: their agents send verdicts,
+    checkpoint and resume records there. Unset: not injected (everything goes to
+    ``inject_operator_url``)."""
     inject_containers: tuple[str, ...] = ()
     """Containers to wire, by name (comma-separated); empty: every non-init container."""
     inject_token_expiration_seconds: int = 3600
@@ -131,13 +136,10 @@ class WebhookSettings:
     certificate for rotation."""
 
     def __post_init__(self) -> None:
-        if self.inject_operator_url is not None and not re.match(
-            r"^https?://[^/\s]+", self.inject_operator_url
-        ):
-            raise ConfigError(
-                f"{WEBHOOK_ENV['inject_operator_url']}: must be an http(s):// URL, "
-                f"got {self.inject_operator_url!r}"
-            )
+        for name in ("inject_operator_url", "inject_verdict_url"):
+            url = getattr(self, name)
+            if url is not None and not re.match(r"^https?://[^/\s]+", url):
+                raise ConfigError(f"{WEBHOOK_ENV[name]}: must be an http(s):// URL, got {url!r}")
         if not 600 <= self.inject_token_expiration_seconds <= 86400:
             raise ConfigError(
                 f"{WEBHOOK_ENV['inject_token_expiration_seconds']}: must be 600 to 86400, "
@@ -633,6 +635,7 @@ class PodWebhook:
         with_ca = bool(self.settings.tls_ca_file) and self.ca_available()
         return Wiring(
             operator_url=self.settings.inject_operator_url,
+            verdict_url=self.settings.inject_verdict_url,
             token_audience=self.token_audience,
             token_expiration_seconds=self.settings.inject_token_expiration_seconds,
             ca_configmap=CA_CONFIGMAP if with_ca else None,

@@ -429,6 +429,9 @@ class OperatorProcess:
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         """The tenants' intake (``/v1/reports`` only)."""
+        self.verdict_port = free_port()
+        self.verdict_url = f"{scheme}://127.0.0.1:{self.verdict_port}"
+        """The intake's verdict listener (``/v1/reports``, every report but heartbeats)."""
         self.admission_port, self.metrics_port = free_port(), free_port()
         self.admission_url = f"{scheme}://127.0.0.1:{self.admission_port}"
         """The admission webhook's listener (the API server's)."""
@@ -441,6 +444,7 @@ class OperatorProcess:
             "KUBECONFIG": kubeconfig or cluster.kubeconfig,
             "HYPERPOD_SDC_LISTEN_ADDRESS": "127.0.0.1",
             "HYPERPOD_SDC_LISTEN_PORT": str(self.port),
+            "HYPERPOD_SDC_VERDICT_PORT": str(self.verdict_port),
             "HYPERPOD_SDC_ADMISSION_PORT": str(self.admission_port),
             "HYPERPOD_SDC_METRICS_PORT": str(self.metrics_port),
             "HYPERPOD_SDC_NAMESPACES": namespace,

@@ -18,6 +18,7 @@ from sdc_common.names import (
     OPERATOR_URL_ENV,
     RESUME_MAX_STEP_ENV,
     TOKEN_FILE_ENV,
+    VERDICT_URL_ENV,
 )
 
 from ._validate import require_bool, require_choice, require_int, require_number
@@ -95,6 +96,7 @@ KNOWN_ENV: frozenset[str] = frozenset(
         *_ENV_OF_FIELD.values(),
         RESUME_MAX_STEP_ENV,
         OPERATOR_URL_ENV,
+        VERDICT_URL_ENV,
         TOKEN_FILE_ENV,
         CA_BUNDLE_ENV,
         # Evidence bundles (sdc_agent.bundle.BundleSettings)

@@ -33,6 +33,15 @@ operator no TLS handshakes (docs/operator.md, "Memory and connections"). A conne
 operator closed while it was idle is opened again at once for the same report; one that
 fails otherwise is closed, and the report is retried after the back-off as before.
 
+The verdict port: where ``verdict_url`` is set (``HYPERPOD_SDC_VERDICT_URL``, injected by
+operators that have one), every report but heartbeats goes there instead, on a connection
+opened for it and closed after its answer (the operator serves that port on its own
+thread, so a verdict is not read behind a burst of heartbeats; docs/operator.md, "Verdicts
+first"). Where that fails before an answer (refused, reset, timed out: an operator without
+the port, one at its connection limit, a network policy that drops it), the same attempt
+goes at once on the kept connection to ``operator_url``, and so does every report for
+:data:`VERDICT_PORT_PAUSE_SECONDS`.
+
 Authentication: the Bearer token is read from ``token_file`` (a projected
 ServiceAccount token) before each request whose file changed since the last read, so a
 rotated token is picked up. TLS: the system trust store, or ``ca_bundle``, likewise read
@@ -56,7 +65,13 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
-from sdc_common.names import CA_BUNDLE_ENV, DEFAULT_TOKEN_FILE, OPERATOR_URL_ENV, TOKEN_FILE_ENV
+from sdc_common.names import (
+    CA_BUNDLE_ENV,
+    DEFAULT_TOKEN_FILE,
+    OPERATOR_URL_ENV,
+    TOKEN_FILE_ENV,
+    VERDICT_URL_ENV,
+)
 
 from ._validate import require_int, require_number
 from .errors import ConfigError
@@ -75,6 +90,8 @@ __all__ = [
     "CA_BUNDLE_ENV",
     "OPERATOR_URL_ENV",
     "TOKEN_FILE_ENV",
+    "VERDICT_PORT_PAUSE_SECONDS",
+    "VERDICT_URL_ENV",
     "Reporter",
     "ReporterConfig",
 ]
@@ -84,6 +101,10 @@ log = logging.getLogger("sdc_agent.reporter")
 REPORTS_PATH = "/v1/reports"
 HEARTBEAT_JITTER_ENV = "HYPERPOD_SDC_HEARTBEAT_JITTER_SECONDS"
 _SPEAKS = re.compile(r"this side speaks (\d+)")
+VERDICT_PORT_PAUSE_SECONDS = 60.0
+"""After the verdict port failed without an answer, how long every report goes to the
+intake's main URL instead (an operator without the port costs one failed attempt a minute:
+a refused connection at once, one a network policy drops ``timeout_seconds``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +114,11 @@ class ReporterConfig:
     operator_url: str
     """Base URL of the operator's intake, e.g. ``https://hyperpod-sdc.hyperpod-sdc.svc:8443``
     (env ``HYPERPOD_SDC_OPERATOR_URL``); reports go to ``<url>/v1/reports``."""
+    verdict_url: str | None = None
+    """Base URL of the intake's verdict listener, e.g.
+    ``https://hyperpod-sdc.hyperpod-sdc.svc:8444``: every report but heartbeats goes there,
+    each on a connection of its own; ``None``: everything goes to ``operator_url`` (env
+    ``HYPERPOD_SDC_VERDICT_URL``, set by the admission webhook)."""
     token_file: str | None = DEFAULT_TOKEN_FILE
     """File holding the Bearer token, re-read when it changes; ``None`` sends no token
     (env ``HYPERPOD_SDC_TOKEN_FILE``)."""
@@ -111,19 +137,20 @@ class ReporterConfig:
     ``HYPERPOD_SDC_HEARTBEAT_JITTER_SECONDS``; 0: at once)."""
 
     def __post_init__(self) -> None:
-        url = (
-            urllib.parse.urlsplit(self.operator_url) if isinstance(self.operator_url, str) else None
-        )
-        try:
-            valid = url is not None and url.scheme in ("http", "https") and bool(url.hostname)
-            valid = valid and (url is not None and (url.port is None or url.port > 0))
-        except ValueError:  # a port that is not a number
-            valid = False
-        if not valid:
-            raise ConfigError(
-                f"operator_url: must be an http:// or https:// URL with a host, "
-                f"got {self.operator_url!r}"
-            )
+        for name in ("operator_url", "verdict_url"):
+            value = getattr(self, name)
+            if name == "verdict_url" and value is None:
+                continue
+            url = urllib.parse.urlsplit(value) if isinstance(value, str) else None
+            try:
+                valid = url is not None and url.scheme in ("http", "https") and bool(url.hostname)
+                valid = valid and (url is not None and (url.port is None or url.port > 0))
+            except ValueError:  # a port that is not a number
+                valid = False
+            if not valid:
+                raise ConfigError(
+                    f"{name}: must be an http:// or https:// URL with a host, got {value!r}"
+                )
         require_int("queue_size", self.queue_size, minimum=1)
         for name in ("timeout_seconds", "initial_backoff_seconds", "max_backoff_seconds"):
             require_number(
@@ -141,6 +168,8 @@ class ReporterConfig:
         values: dict[str, object] = {}
         if url := os.environ.get(OPERATOR_URL_ENV, "").strip():
             values["operator_url"] = url
+        if url := os.environ.get(VERDICT_URL_ENV, "").strip():
+            values["verdict_url"] = url
         if (token := os.environ.get(TOKEN_FILE_ENV)) is not None:
             values["token_file"] = token.strip() or None
         if ca := os.environ.get(CA_BUNDLE_ENV, "").strip():
@@ -170,6 +199,11 @@ class Reporter:
     def __init__(self, config: ReporterConfig) -> None:
         self.config = config
         self.url = config.operator_url.rstrip("/") + REPORTS_PATH
+        self.verdict_url = (
+            config.verdict_url.rstrip("/") + REPORTS_PATH if config.verdict_url else None
+        )
+        """Where every report but heartbeats goes first (``None``: :attr:`url`)."""
+        self._verdict_port_off_until = 0.0  # (monotonic) after it failed without an answer
         # Queued reports with the monotonic time they were submitted.
         self._verdicts: collections.deque[tuple[float, Report]] = collections.deque()
         self._others: collections.deque[tuple[float, Report]] = collections.deque()
@@ -191,6 +225,8 @@ class Reporter:
         self._conn_tls: ssl.SSLContext | None = None  # the context it was opened with
         self.connections_opened = 0
         """Connections opened to the operator (one while it keeps the connection open)."""
+        self.verdict_connections = 0
+        """Connections opened to the verdict port (one per report sent there)."""
         self.delivered = 0
         self.dropped = 0
         self.refused = 0
@@ -502,7 +538,9 @@ class Reporter:
         if token := self._bearer():
             headers["Authorization"] = f"Bearer {token}"
         try:
-            status, answer, retry_after, versions = self._post(body, headers)
+            status, answer, retry_after, versions = self._post(
+                body, headers, verdict_lane=not isinstance(report, HeartbeatReport)
+            )
         except (OSError, TimeoutError, http.client.HTTPException) as exc:
             # refused connections, timeouts, a connection cut mid-answer
             log.info("sdc_agent: operator unreachable at %s, will retry: %s", self.url, exc)
@@ -521,25 +559,59 @@ class Reporter:
         return self._refused(report, status, detail)
 
     def _post(
+        self, body: bytes, headers: dict[str, str], verdict_lane: bool = False
+    ) -> tuple[int, bytes, str | None, str | None]:
+        """POST ``body``: the status, the answer (at most 64 KiB), its ``Retry-After`` and
+        protocol header. ``verdict_lane``: to the verdict port first, where there is one
+        (:meth:`_post_verdict_port`); else, or where that fails before an answer, on the
+        kept connection (:meth:`_post_kept`)."""
+        if verdict_lane and self.verdict_url and time.monotonic() >= self._verdict_port_off_until:
+            try:
+                return self._post_verdict_port(self.verdict_url, body, headers)
+            except (OSError, TimeoutError, http.client.HTTPException) as exc:
+                self._verdict_port_off_until = time.monotonic() + VERDICT_PORT_PAUSE_SECONDS
+                log.info(
+                    "sdc_agent: the verdict port %s failed (%s: %s); sending to %s instead, "
+                    "and for the next %g s",
+                    self.verdict_url,
+                    type(exc).__name__,
+                    exc,
+                    self.url,
+                    VERDICT_PORT_PAUSE_SECONDS,
+                )
+        return self._post_kept(body, headers)
+
+    def _post_verdict_port(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None, str | None]:
+        """POST ``body`` to ``url`` on a connection opened for it and closed after the
+        answer: the verdict port holds no connection of an agent between its reports."""
+        context = self._current_tls() if url.startswith("https") else None
+        conn = self._open(context, url)
+        try:
+            conn.connect()
+            self.verdict_connections += 1
+            conn.request(
+                "POST", _path_of(url), body=body, headers={**headers, "Connection": "close"}
+            )
+            return _answer(conn.getresponse())
+        finally:
+            conn.close()
+
+    def _post_kept(
         self, body: bytes, headers: dict[str, str]
     ) -> tuple[int, bytes, str | None, str | None]:
-        """POST ``body`` on the kept connection: the status, the answer (at most 64 KiB),
-        its ``Retry-After`` and protocol header. A kept connection that the operator closed
+        """POST ``body`` on the kept connection. A kept connection that the operator closed
         while it was idle fails at once; the report then goes again on a new one."""
         for fresh in (False, True):
             conn, reused = self._connection(fresh)
             try:
-                conn.request("POST", self._path, body=body, headers=headers)
+                conn.request("POST", _path_of(self.url), body=body, headers=headers)
                 response = conn.getresponse()
-                answer = response.read(65536)
+                answered = _answer(response)
                 if not response.isclosed():  # an answer over 64 KiB: not read to its end
                     self._disconnect()
-                return (
-                    response.status,
-                    answer,
-                    response.getheader("Retry-After"),
-                    response.getheader(PROTOCOL_HEADER),
-                )
+                return answered
             except (ConnectionError, http.client.RemoteDisconnected, ssl.SSLEOFError):
                 self._disconnect()
                 if not reused:
@@ -548,11 +620,6 @@ class Reporter:
                 self._disconnect()
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    @property
-    def _path(self) -> str:
-        parts = urllib.parse.urlsplit(self.url)
-        return parts.path + (f"?{parts.query}" if parts.query else "")
 
     def _connection(self, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
         """The kept connection (opened again where the CA bundle changed, or ``fresh``),
@@ -565,15 +632,15 @@ class Reporter:
             conn = None
         if conn is not None:
             return conn, True
-        conn = self._open(context)
+        conn = self._open(context, self.url)
         conn.connect()
         self._conn, self._conn_tls = conn, context
         self.connections_opened += 1
         return conn, False
 
-    def _open(self, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
-        """A new connection to the operator (not yet connected)."""
-        parts = urllib.parse.urlsplit(self.url)
+    def _open(self, context: ssl.SSLContext | None, url: str) -> http.client.HTTPConnection:
+        """A new connection to the operator at ``url`` (not yet connected)."""
+        parts = urllib.parse.urlsplit(url)
         host, port, timeout = parts.hostname or "", parts.port, self.config.timeout_seconds
         if context is not None:
             return http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
@@ -648,6 +715,21 @@ class Reporter:
                 ", ".join(new),
                 why,
             )
+
+
+def _path_of(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
+def _answer(response: http.client.HTTPResponse) -> tuple[int, bytes, str | None, str | None]:
+    """A response's status, body (at most 64 KiB), ``Retry-After`` and protocol header."""
+    return (
+        response.status,
+        response.read(65536),
+        response.getheader("Retry-After"),
+        response.getheader(PROTOCOL_HEADER),
+    )
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -280,9 +280,10 @@ def ingress_pairs(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
 
 
 def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
-    """The tenants' namespaces reach only the intake port, the API server only the
-    admission port, monitoring only the metrics port; the webhook configuration, the
-    probes and the ServiceMonitor name their own listener."""
+    """The tenants' namespaces reach only the intake's two ports (its own and the verdict
+    port), the API server only the admission port, monitoring only the metrics port; the
+    webhook configuration, the probes and the ServiceMonitor name their own listener, and
+    the pods are told the verdict port's URL."""
     import json
 
     values = {
@@ -293,20 +294,22 @@ def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
     (deploy,) = by_kind(docs, "Deployment")
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"intake": 8443, "admission": 9443, "metrics": 9090}
+    assert ports == {"intake": 8443, "verdicts": 8444, "admission": 9443, "metrics": 9090}
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert (
         env["HYPERPOD_SDC_LISTEN_PORT"],
+        env["HYPERPOD_SDC_VERDICT_PORT"],
         env["HYPERPOD_SDC_ADMISSION_PORT"],
         env["HYPERPOD_SDC_METRICS_PORT"],
-    ) == ("8443", "9443", "9090")
+    ) == ("8443", "8444", "9443", "9090")
+    assert env["HYPERPOD_SDC_INJECT_VERDICT_URL"] == ("https://hyperpod-sdc.hyperpod-sdc.svc:8444")
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["port"] == "metrics"
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
     assert {
         name: [p["targetPort"] for p in s["spec"]["ports"]] for name, s in services.items()
     } == {
-        "hyperpod-sdc": ["intake"],
+        "hyperpod-sdc": ["intake", "verdicts"],
         "hyperpod-sdc-webhook": ["admission"],
         "hyperpod-sdc-metrics": ["metrics"],
     }
@@ -327,6 +330,7 @@ def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
     monitoring = json.dumps(MONITORING[0], sort_keys=True)
     assert ingress_pairs(docs) == {
         (tenants, "intake"),
+        (tenants, "verdicts"),
         (api_server, "admission"),
         (monitoring, "metrics"),
     }
@@ -336,11 +340,12 @@ def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
     )
     assert ingress_pairs(docs) == {
         (json.dumps({"namespaceSelector": {}}), "intake"),
+        (json.dumps({"namespaceSelector": {}}), "verdicts"),
         (api_server, "admission"),
     }
     # without the webhook no one is let in on the admission port
     docs = render({"networkPolicy": {"enabled": True}, "webhook": {"enabled": False}})
-    assert {port for _, port in ingress_pairs(docs)} == {"intake"}
+    assert {port for _, port in ingress_pairs(docs)} == {"intake", "verdicts"}
     # the operator's certificate names each Service
     (cert,) = [
         d for d in render(CERT_MANAGER) if d["kind"] == "Certificate" and "dnsNames" in d["spec"]

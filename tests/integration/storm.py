@@ -183,8 +183,8 @@ class Agent(Reporter):
         self.submit(report)
         return sender
 
-    def _open(self, context: ssl.SSLContext | None) -> http.client.HTTPConnection:
-        parts = urllib.parse.urlsplit(self.url)
+    def _open(self, context: ssl.SSLContext | None, url: str) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(url)
         bind = (self.source, 0) if self.source else None
         timeout = self.config.timeout_seconds
         if context is not None:
@@ -197,10 +197,10 @@ class Agent(Reporter):
         )
 
     def _post(
-        self, body: bytes, headers: dict[str, str]
+        self, body: bytes, headers: dict[str, str], verdict_lane: bool = False
     ) -> tuple[int, bytes, str | None, str | None]:
         try:
-            answer = super()._post(body, headers)
+            answer = super()._post(body, headers, verdict_lane)
         except BaseException as exc:
             self._status = type(exc).__name__
             raise
@@ -225,17 +225,20 @@ def agents(
     directory: Path,
     ca: Path | None,
     sources: list[str | None],
+    verdict_urls: list[str | None] | None = None,
 ) -> list[Agent]:
-    """One :class:`Agent` per node, reporting to ``urls[i]`` (token files written under
-    ``directory``), heartbeats sent at once (no jitter: the worst case, every heartbeat of
-    the job together)."""
+    """One :class:`Agent` per node, reporting to ``urls[i]`` (and its verdicts to
+    ``verdict_urls[i]``, where given), token files written under ``directory``, heartbeats
+    sent at once (no jitter: the worst case, every heartbeat of the job together)."""
     out = []
     directory.mkdir(parents=True, exist_ok=True)
+    verdict_urls = verdict_urls or [None] * len(urls)
     for i, (url, token, source) in enumerate(zip(urls, tokens, sources, strict=True)):
         path = directory / f"token-{i}"
         path.write_text(token)
         config = ReporterConfig(
             operator_url=url,
+            verdict_url=verdict_urls[i],
             token_file=str(path),
             ca_bundle=str(ca) if ca else None,
             heartbeat_jitter_seconds=0,

@@ -47,6 +47,11 @@ app.kubernetes.io/component: operator
 {{- printf "%s://%s.%s.svc:%v" (ternary "https" "http" .Values.tls.enabled) (include "hyperpod-sdc.fullname" .) .Release.Namespace .Values.service.port }}
 {{- end }}
 
+{{/* The intake's verdict port as the agents reach it (HYPERPOD_SDC_VERDICT_URL). */}}
+{{- define "hyperpod-sdc.verdictURL" -}}
+{{- printf "%s://%s.%s.svc:%v" (ternary "https" "http" .Values.tls.enabled) (include "hyperpod-sdc.fullname" .) .Release.Namespace .Values.service.verdictPort }}
+{{- end }}
+
 {{/* Where the chart's TLS comes from: generated, existingSecret or certManager. */}}
 {{- define "hyperpod-sdc.tlsSource" -}}
 {{- if .Values.certManager.enabled }}certManager

@@ -1,0 +1,228 @@
+"""The intake's verdict port (docs/operator.md, "Verdicts first"): the real operator, the
+real API server, real :class:`sdc_agent.reporter.Reporter`\\ s.
+
+Agents told of the verdict port send their verdicts there, on a connection of their own;
+agents of earlier releases (no verdict URL) send them to the intake's main port, which
+still accepts them; an agent whose verdict port cannot be reached sends on its kept
+connection to the main port at once. Heartbeats are refused on the verdict port.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sdc_agent.reporter import Reporter, ReporterConfig
+from sdc_common.protocol import encode_report
+from sdc_harness.cluster import Cluster, OperatorProcess, free_port
+from sdc_harness.tls import issue, make_ca
+
+from .storm import (
+    Contained,
+    Sender,
+    _send,
+    burst,
+    elected,
+    heartbeat_reports,
+    heartbeats,
+    job_of,
+    source_of,
+    summary,
+)
+from .test_containment import verdict
+from .test_scale import STORM_SETTINGS
+
+NODES = 8
+
+
+def _reporter(
+    tmp_path: Path,
+    i: int,
+    token: str,
+    url: str,
+    verdict_url: str | None,
+    ca: Path | None = None,
+) -> Reporter:
+    path = tmp_path / f"token-{i}"
+    path.write_text(token)
+    return Reporter(
+        ReporterConfig(
+            operator_url=url,
+            verdict_url=verdict_url,
+            token_file=str(path),
+            ca_bundle=str(ca) if ca else None,
+            heartbeat_jitter_seconds=0,
+            initial_backoff_seconds=0.1,
+        )
+    )
+
+
+def _post(url: str, body: bytes, token: str) -> tuple[int, dict[str, object]]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=10)
+    try:
+        conn.request(
+            "POST",
+            "/v1/reports",
+            body=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        )
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_verdicts_go_to_the_verdict_port_and_old_agents_still_reach_the_main_port(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    job, tokens = job_of(cluster, namespace, NODES)
+    op = start_operator(**STORM_SETTINGS)
+    suspect = 5
+    new, old, cut_off = elected(NODES, suspect)
+    closed = f"http://127.0.0.1:{free_port()}"  # nobody listens there: refused at once
+    agents = {
+        "new": _reporter(tmp_path, new, tokens[new], op.url, op.verdict_url),
+        "old": _reporter(tmp_path, old, tokens[old], op.url, None),
+        "cut_off": _reporter(tmp_path, cut_off, tokens[cut_off], op.url, closed),
+    }
+    beats = heartbeat_reports(job)
+    watcher = Contained(cluster, namespace, step=15)
+    try:
+        for node, agent in zip((new, old, cut_off), agents.values(), strict=True):
+            agent.submit(beats[node])
+            agent.submit(verdict(job, node, suspect, step=15, last_clean=10))
+        for name, agent in agents.items():
+            assert agent.flush(30), f"{name}: not delivered within 30 s: {agent.counters()}"
+        contained = watcher.wait(30)
+        counts = {
+            name: (a.delivered, a.refused, a.connections_opened, a.verdict_connections)
+            for name, a in agents.items()
+        }
+    finally:
+        for agent in agents.values():
+            agent.close(timeout=1)
+    print(f"\n(delivered, refused, kept connections, verdict-port connections): {counts}")
+    assert contained is not None, "not contained within 30 s"
+    # the new agent's verdict went to the verdict port on a connection of its own, its
+    # heartbeat on its kept connection to the main port
+    assert counts["new"] == (2, 0, 1, 1), counts
+    # an agent of an earlier release: both on the main port, accepted as before
+    assert counts["old"] == (2, 0, 1, 0), counts
+    # the verdict port refused the connection: the verdict went on the kept connection
+    assert counts["cut_off"] == (2, 0, 1, 0), counts
+    assert agents["cut_off"]._verdict_port_off_until > time.monotonic()
+    assert agents["new"]._verdict_port_off_until == 0.0
+
+    # a heartbeat sent to the verdict port is refused, and says where heartbeats go
+    status, answer = _post(op.verdict_url, encode_report(beats[0]), tokens[0])
+    assert (status, answer["error"]) == (421, "misdirected"), answer
+    assert "HYPERPOD_SDC_OPERATOR_URL" in str(answer["message"])
+    # the verdict port answers with the same checks: a bad token is a 401 there too
+    status, answer = _post(
+        op.verdict_url, encode_report(verdict(job, 1, suspect, step=15, last_clean=10)), "x.y.z"
+    )
+    assert (status, answer["error"]) == (401, "unauthenticated"), answer
+
+
+FLOOD = 8
+"""Heartbeats per node in the flood of the main port (each on a new TLS connection)."""
+
+
+# timing: the verdict on the verdict port must be answered before a heartbeat sent to the
+# main port at the same moment (that heartbeat is the saturation's observable signal: on this
+# machine it waits about 1-3 s behind the flood, the verdict 0.05-0.3 s), and within 2 s
+@pytest.mark.timing
+@pytest.mark.slow  # about 30 s: 96 nodes, 768 TLS connections at once
+def test_a_verdict_is_answered_while_heartbeats_saturate_the_main_port(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    ca = make_ca(tmp_path)
+    key, cert = issue(tmp_path, ca, algorithm="ec")
+    trust = ssl.create_default_context(cafile=str(ca[1]))
+    job, tokens = job_of(cluster, namespace, 96)
+    op = start_operator(
+        **STORM_SETTINGS,
+        log_level="WARNING",
+        scheme="https",
+        tls_cert_file=str(cert),
+        tls_key_file=str(key),
+        heartbeat_retry_after_seconds="1",
+    )
+    warm, _ = burst(op.url, heartbeats(job), tokens, context=trust)  # tokens reviewed
+    assert summary(warm)["delivered"] == 96, summary(warm)
+    suspect = 50
+    new, old, _ = elected(96, suspect)
+    agents = {
+        "verdict port": _reporter(tmp_path, new, tokens[new], op.url, op.verdict_url, ca[1]),
+        "main port (an old agent)": _reporter(tmp_path, old, tokens[old], op.url, None, ca[1]),
+    }
+    for name, agent in agents.items():  # each opens its kept connection, as agents do
+        agent.submit(heartbeat_reports(job)[new if name == "verdict port" else old])
+        assert agent.flush(30), agent.counters()
+
+    # the flood: every node's heartbeat 8 times, each on a new TLS connection from an
+    # address of its own, released at once; with it, a probe heartbeat and two verdicts
+    start = threading.Event()
+    bodies = heartbeats(job) * FLOOD
+    flood = [Sender() for _ in bodies]
+    probe = Sender()
+    threads = [
+        threading.Thread(
+            target=_send,
+            args=(op.url, body, tokens[i % 96], sender, start, trust, source_of(i), True),
+            daemon=True,
+        )
+        for i, (body, sender) in enumerate(zip(bodies, flood, strict=True))
+    ] + [
+        threading.Thread(
+            target=_send,
+            args=(op.url, heartbeats(job)[0], tokens[0], probe, start, trust, None, True),
+            daemon=True,
+        )
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # every thread waiting at the line
+    watcher = Contained(cluster, namespace, step=115)
+    released = time.monotonic()
+    start.set()
+    for node, agent in zip((new, old), agents.values(), strict=True):
+        agent.submit(verdict(job, node, suspect, step=115, last_clean=110))
+    answered = {}
+    for name, agent in agents.items():
+        assert agent.flush(30), f"{name}: {agent.counters()}"
+        answered[name] = time.monotonic() - released
+    for thread in threads:
+        thread.join(150)
+    contained = watcher.wait(30)
+    for agent in agents.values():
+        agent.close(timeout=1)
+    probe_s = probe.attempts[0][1] if probe.attempts else None
+    got = summary(flood)
+    print(
+        f"\nverdicts delivered after {answered} (since the release); a heartbeat sent to the "
+        f"main port with them answered after {probe_s} s ({probe.attempts[0][0]}); the flood "
+        f"of {len(bodies)}: {got}; contained after "
+        f"{contained and round(contained - released, 3)} s"
+    )
+    assert probe_s is not None
+    # the observable signal: the main port was saturated while the verdict was answered
+    assert answered["verdict port"] < probe_s, (answered, probe_s)
+    assert answered["verdict port"] < 2.0, answered
+    assert agents["verdict port"].verdict_connections == 1
+    assert contained is not None, "not contained within 30 s"
