@@ -32,7 +32,7 @@ from .intake import Intake, json_error_middleware
 from .kube import Endpoint, Kube
 from .lane import LoopThread
 from .leader import ElectionThread, Members
-from .listeners import Connections, GuardedSite
+from .listeners import Connections, GuardedSite, Hold
 from .localize import InstanceResolver
 from .metrics import Metrics
 from .optin import OptIn
@@ -115,6 +115,7 @@ class Operator:
         self.verdict_thread = LoopThread("verdict intake")
         self.verdict_lookups = Kube(endpoint, name="verdicts", pool_size=8, metrics=metrics)
         self._verdict_runner: web.AppRunner | None = None
+        self.hold: Hold | None = None
         self.engine_records = Kube(endpoint, name="engine", pool_size=16, metrics=metrics)
         self.containment = Kube(endpoint, name="containment", pool_size=8, metrics=metrics)
         # Retention's deletions (every 10 minutes, on this loop) have their own small pool.
@@ -283,20 +284,26 @@ class Operator:
             ),
             "metrics": Connections(OTHER_LISTENER_CONNECTIONS, METRICS_CONNECTIONS_PER_SOURCE),
         }
+        sites = {}
         for name, app, port, connections in (
             ("intake", self.intake.app(), s.listen_port, reports),
             ("admission", admission, s.admission_port, others["admission"]),
             ("metrics", self.intake.monitoring_app(), s.metrics_port, others["metrics"]),
         ):
-            self._runners.append(await self._listen(name, self.intake, app, port, connections))
+            runner, sites[name] = await self._listen(name, self.intake, app, port, connections)
+            self._runners.append(runner)
         if s.verdict_port:
             self.verdict_thread.start()
             verdicts = self.intake.for_verdicts(
                 self.verdict_lookups, self._verdicts_authenticator(authenticator)
             )
-            self._verdict_runner = await self.verdict_thread.run(
+            # While the verdict port has a connection open, the main port is not read
+            # (at most 1 s at a time, then at least 1 s read): .listeners.Hold
+            self.hold = Hold(sites["intake"], asyncio.get_running_loop())
+            self._verdict_runner, site = await self.verdict_thread.run(
                 self._listen("verdicts", verdicts, None, s.verdict_port, reports)
             )
+            site.busy = self.hold.busy
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
         self._every(API_SERVER_EVERY_SECONDS, self.api_server.refresh)
         await self.optin.start()
@@ -308,9 +315,9 @@ class Operator:
         app: web.Application | None,
         port: int,
         connections: Connections,
-    ) -> web.AppRunner:
+    ) -> tuple[web.AppRunner, GuardedSite]:
         """Serve ``app`` (default: ``intake``'s reports app) on ``port``, on the event loop
-        this runs on; its runner."""
+        this runs on; its runner and site."""
         s = self.settings
         runner = intake.runner(app)
         await runner.setup()
@@ -326,7 +333,7 @@ class Operator:
         )
         await site.start()
         log.info("%s listening on %s", name, site.name)
-        return runner
+        return runner, site
 
     async def _elect_when_synced(self) -> None:
         """Act only with full caches: a leader that counted quarantined nodes from a

@@ -25,6 +25,10 @@ Each listener bounds what its connections may cost before it spends anything on 
   progress, and a handshake not complete after ``handshake_seconds`` is closed;
 - a TLS read buffer of :data:`TLS_READ_BUFFER` bytes per connection, not asyncio's 256 KiB
   (CPython 3.11 and 3.12 allocate and zero one such buffer for every TLS connection).
+
+A site can be held (:meth:`GuardedSite.hold`): its connections are not read (the kernel
+keeps what arrives) until it is let go. :class:`Hold` holds the intake's main port while
+the verdict port has a connection open, for at most a second at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["CONNECTION_BYTES", "TLS_READ_BUFFER", "Connections", "GuardedSite"]
+__all__ = ["CONNECTION_BYTES", "TLS_READ_BUFFER", "Connections", "GuardedSite", "Hold"]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +143,11 @@ class GuardedSite(web.BaseSite):
         self.handshaking: Counter[str] = Counter()
         """Handshakes in progress on this site, by client address."""
         self._securing: set[_SSLProtocol] = set()
+        self._live: set[_SSLProtocol | _Counted] = set()
+        self._held = False
+        self.busy: Callable[[bool], None] | None = None
+        """Called (on this site's loop) with true when its first connection opens, false
+        when its last one closes."""
         self.refused = 0
         """Connections reset as they were accepted: too many open, in all or from their
         address, or too many handshakes in progress from their address."""
@@ -146,6 +155,27 @@ class GuardedSite(web.BaseSite):
     @property
     def name(self) -> str:
         return f"{'https' if self._tls else 'http'}://{self._host}:{self._port} ({self._label})"
+
+    def hold(self, held: bool) -> None:
+        """(On this site's loop.) Read none of its connections, new ones included, until
+        ``hold(False)``: what the clients send waits in the kernel's buffers."""
+        if held == self._held:
+            return
+        self._held = held
+        for live in list(self._live):
+            live.hold(held)
+
+    def _opened(self, live: _SSLProtocol | _Counted) -> None:
+        self._live.add(live)
+        if self._held:
+            live.hold(True)
+        if len(self._live) == 1 and self.busy is not None:
+            self.busy(True)
+
+    def _gone(self, live: _SSLProtocol | _Counted) -> None:
+        self._live.discard(live)
+        if not self._live and self.busy is not None:
+            self.busy(False)
 
     async def stop(self) -> None:
         for pending in list(self._securing):  # handshakes no runner knows of yet
@@ -174,9 +204,10 @@ class GuardedSite(web.BaseSite):
         assert server is not None
         app_protocol = server()
         if self._tls is None:
-            counted = _Counted(self, source, reserved, app_protocol)
+            counted = _Counted(self, source, reserved, app_protocol, transport)
             transport.set_protocol(counted)
             app_protocol.connection_made(transport)
+            self._opened(counted)
             return
         self.handshaking[source] += 1
         loop = asyncio.get_running_loop()
@@ -198,6 +229,7 @@ class GuardedSite(web.BaseSite):
         waiter.add_done_callback(lambda _: self._securing.discard(secured))
         transport.set_protocol(secured)
         secured.connection_made(transport)
+        self._opened(secured)
 
     def _handshake_done(self, source: str, waiter: asyncio.Future[Any]) -> None:
         self.handshaking[source] -= 1
@@ -238,19 +270,29 @@ class _SSLProtocol(sslproto.SSLProtocol):
         if transport is not None:
             transport.abort()
 
+    def hold(self, held: bool) -> None:
+        _hold(self._transport, held)
+
     def connection_lost(self, exc: BaseException | None) -> None:
         try:
             super().connection_lost(exc)
         finally:
             self._site._closed(self._source, self._reserved)
+            self._site._gone(self)
 
 
 class _Counted(asyncio.Protocol):
     """A plain connection's protocol, passed through, which tells its site when the
     connection closes."""
 
-    def __init__(self, site: GuardedSite, source: str, reserved: bool, inner: Any) -> None:
+    def __init__(
+        self, site: GuardedSite, source: str, reserved: bool, inner: Any, transport: Any
+    ) -> None:
         self._site, self._source, self._reserved, self._inner = site, source, reserved, inner
+        self._transport = transport
+
+    def hold(self, held: bool) -> None:
+        _hold(self._transport, held)
 
     def data_received(self, data: bytes) -> None:
         self._inner.data_received(data)
@@ -269,3 +311,71 @@ class _Counted(asyncio.Protocol):
             self._inner.connection_lost(exc)
         finally:
             self._site._closed(self._source, self._reserved)
+            self._site._gone(self)
+
+
+def _hold(transport: Any, held: bool) -> None:
+    """Stop or resume reading the socket under ``transport`` (TLS records are then not
+    read, decrypted or answered either)."""
+    if transport is None or transport.is_closing():
+        return
+    if held:
+        transport.pause_reading()
+    else:
+        transport.resume_reading()
+
+
+class Hold:
+    """Holds ``site`` (:meth:`GuardedSite.hold`, on ``loop``) while :meth:`busy` says so,
+    from any thread, for at most ``most`` seconds at a time and then lets it go for at
+    least ``gap`` seconds: the intake's main port is not read while the verdict port has a
+    connection open, so the verdicts' thread does not share the process (the GIL) with a
+    burst of heartbeats being read and shed; and no client of the verdict port can keep
+    the main port from being read for more than half of the time."""
+
+    def __init__(
+        self,
+        site: GuardedSite,
+        loop: asyncio.AbstractEventLoop,
+        most: float = 1.0,
+        gap: float = 1.0,
+    ) -> None:
+        self._site, self._loop, self._most, self._gap = site, loop, most, gap
+        self._wanted = False
+        self._since: float | None = None  # held since (the loop's time)
+        self._free_until = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.holds = 0
+        """Times the site was held."""
+
+    def busy(self, wanted: bool) -> None:
+        """(Any thread.) Whether the site should be held now."""
+        self._loop.call_soon_threadsafe(self._want, wanted)
+
+    def _want(self, wanted: bool) -> None:
+        self._wanted = wanted
+        self._apply()
+
+    def _apply(self) -> None:
+        now = self._loop.time()
+        if self._wanted and self._since is None and now >= self._free_until:
+            self._since = now
+            self.holds += 1
+            self._site.hold(True)
+            self._timer = self._loop.call_later(self._most, self._expire)
+        elif not self._wanted and self._since is not None:
+            self._release()
+
+    def _release(self) -> None:
+        self._site.hold(False)
+        self._since = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._since is not None:
+            self._release()
+            self._free_until = self._loop.time() + self._gap
+            self._loop.call_later(self._gap, self._apply)
