@@ -9,12 +9,9 @@ connection to the main port at once. Heartbeats are refused on the verdict port.
 
 from __future__ import annotations
 
-import http.client
-import json
 import ssl
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import pytest
 
 from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_common.protocol import encode_report
-from sdc_harness.cluster import Cluster, OperatorProcess, free_port
+from sdc_harness.cluster import Cluster, OperatorProcess, free_port, post
 from sdc_harness.tls import issue, make_ca
 
 from .storm import (
@@ -63,22 +60,6 @@ def _reporter(
             initial_backoff_seconds=0.1,
         )
     )
-
-
-def _post(url: str, body: bytes, token: str) -> tuple[int, dict[str, object]]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=10)
-    try:
-        conn.request(
-            "POST",
-            "/v1/reports",
-            body=body,
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
-        )
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
 
 
 def test_verdicts_go_to_the_verdict_port_and_old_agents_still_reach_the_main_port(
@@ -126,11 +107,11 @@ def test_verdicts_go_to_the_verdict_port_and_old_agents_still_reach_the_main_por
     assert agents["new"]._verdict_port_off_until == 0.0
 
     # a heartbeat sent to the verdict port is refused, and says where heartbeats go
-    status, answer = _post(op.verdict_url, encode_report(beats[0]), tokens[0])
+    status, answer, _ = post(op.verdict_url, encode_report(beats[0]), tokens[0])
     assert (status, answer["error"]) == (421, "misdirected"), answer
     assert "HYPERPOD_SDC_OPERATOR_URL" in str(answer["message"])
     # the verdict port answers with the same checks: a bad token is a 401 there too
-    status, answer = _post(
+    status, answer, _ = post(
         op.verdict_url, encode_report(verdict(job, 1, suspect, step=15, last_clean=10)), "x.y.z"
     )
     assert (status, answer["error"]) == (401, "unauthenticated"), answer
