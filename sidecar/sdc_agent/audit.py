@@ -201,8 +201,9 @@ class ReplayAudit:
         (:class:`~sdc_agent.layout_fsdp.FSDPLayout`): the parameters a replay computes
         gradients for (FSDP2's unsharded ones, registered on the model only while
         ``replaying()`` holds them unsharded; a collective every rank enters), and the
-        own local gradients arrive through :meth:`observe_gradient` rather than the
-        gradient buckets."""
+        first micro-batch's own local gradients arrive through :meth:`observe_gradient`
+        rather than the gradient buckets. A later micro-batch's are read the same way in
+        every layout: by a hook on each of ``params`` (:meth:`micro_batch`)."""
         self.module = module
         self.grads_by_hook = grads_by_hook
         self._replaying = replaying if replaying is not None else contextlib.nullcontext
@@ -271,7 +272,7 @@ class ReplayAudit:
         self._count = 1  # micro-batches per step, as the last step had them
         self.audited = 0
         """The index of the micro-batch this step's audit replays (see
-        :func:`audited_micro_batch`; always the first under a sharded layout)."""
+        :func:`audited_micro_batch`)."""
         self._captured = False  # the audited micro-batch was shown this step
         self._forwards = 0  # forwards begun this step
         self._grad_hooks: list[Any] = []
@@ -315,7 +316,7 @@ class ReplayAudit:
         self._drop_grad_hooks()
         index = self.audited
         self.audited = 0
-        if self._due_if_replayable and not self.grads_by_hook:
+        if self._due_if_replayable:
             self.audited = index if again else audited_micro_batch(self._audits_due, self._count)
         if self._due_if_replayable and not again:
             self._audits_due += 1
@@ -363,7 +364,9 @@ class ReplayAudit:
         ``syncs``: its backward all-reduces (no ``no_sync``), so the communication hook
         sees its local gradients (the first micro-batch's only: later ones' hook and
         ``.grad`` carry the earlier ones' too, so theirs are read by a hook on each
-        parameter, as each backward hands them over, before they are added).
+        parameter, as each backward hands them over, before they are added). The same
+        holds for a sharded layout's ``params`` (FSDP2's unsharded parameters, whose
+        gradients FSDP accumulates under ``set_requires_gradient_sync(False)``).
         """
         index = self._micro
         self._micro += 1

@@ -54,6 +54,10 @@ class Drill:
     """Small, so the model's gradients travel in several buckets."""
     micro_batches: int = 1
     """Gradient accumulation: micro-batches per step."""
+    sync_micro_batches: bool = False
+    """With ``micro_batches``: the gradient collective runs after every micro-batch's
+    backward (no ``no_sync``; FSDP2 then reduce-scatters each), the loop calling the
+    Guard's phases itself (``before_backward`` for each micro-batch)."""
     poison: tuple[int, int] | None = None
     """``(rank, step)``: put a NaN into that rank's input batch at that step (bad data)."""
     low_level: bool = False
@@ -483,7 +487,7 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
                 optimizer.zero_grad(set_to_none=True)
                 total = 0.0
                 for j, batch in enumerate(micro):
-                    last = j == len(micro) - 1
+                    last = j == len(micro) - 1 or drill.sync_micro_batches
                     with contextlib.nullcontext() if last else _no_sync(ddp):
                         loss = loss_fn(ddp, batch)
                         (loss / len(micro) if len(micro) > 1 else loss).backward()
@@ -495,6 +499,8 @@ def drill_worker(rank: int, world: int, drills: Sequence[Drill]) -> list[DrillRa
             try:
                 if drill.low_level:
                     result = _low_level_step(guard, ddp, optimizer, micro[0], loss_fn)
+                elif drill.sync_micro_batches:
+                    result = _syncing_step(guard, ddp, optimizer, micro, loss_fn)
                 else:
                     result = (
                         guard.step(micro[0]) if len(micro) == 1 else guard.step(micro_batches=micro)
@@ -596,6 +602,28 @@ def _low_level_step(
     if applied:
         optimizer.step()
     return guard.finish_step(applied=applied, loss=loss)
+
+
+def _syncing_step(
+    guard: Guard,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro: Sequence[Any],
+    loss_fn: Any,
+) -> StepResult:
+    """Accumulation with the gradient collective after every micro-batch's backward."""
+    optimizer.zero_grad(set_to_none=True)
+    guard.begin_step()
+    total = 0.0
+    for batch in micro:
+        loss = loss_fn(model, batch)
+        guard.before_backward(batch, loss)
+        (loss / len(micro)).backward()
+        total += float(loss.item())
+    applied = guard.before_optimizer_step()
+    if applied:
+        optimizer.step()
+    return guard.after_optimizer_step(loss=total / len(micro))
 
 
 def run_drill(

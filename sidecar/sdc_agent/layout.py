@@ -128,9 +128,13 @@ class ParallelLayout(ABC):
     """Sharded layouts: each group rank's shard coordinate (the verified snapshot keeps a
     rank's own shards); ``None``: every rank holds the whole state."""
     grads_by_hook = False
-    """The replay audit's own gradients come through ``Coordinator.local_gradient``."""
+    """The replay audit's own gradients of the first micro-batch come through
+    ``Coordinator.local_gradient`` (not the buckets). A later micro-batch's, in every
+    layout, are read by a hook on each of the parameters autograd computes gradients for
+    (the module's, or :attr:`unsharded`) before they are added to the earlier ones'."""
     unsharded: list[nn.Parameter] | None = None
-    """The parameters a replay computes gradients for, where they are not the module's."""
+    """The parameters a replay computes gradients for, where they are not the module's
+    (the leaves autograd hands every backward's gradients to)."""
 
     def replaying(self) -> contextlib.AbstractContextManager[Any]:
         """Held around every replay of the audit (a collective where it gathers)."""

@@ -6,8 +6,14 @@ Where the checks see what (torch 2.13's ``torch.distributed.fsdp.fully_shard``):
 
 - **Local gradients, before the collective.** A post-accumulate-grad hook on each of
   FSDP2's unsharded parameters sees the rank's own gradient the moment autograd
-  completes it (the replay audit fingerprints it there, and the drill's ``grad_local``
-  faults enter there). Check 1 scans them in the reduce-scatter's flat input, through a
+  completes it (the replay audit fingerprints the first micro-batch's there, and the
+  drill's ``grad_local`` faults enter there). Under accumulation
+  (``set_requires_gradient_sync(False)``) FSDP keeps adding each micro-batch's gradient
+  to that one, so a later micro-batch's own gradient is read a moment earlier, by a hook
+  on the same parameter that sees what its backward hands over before it is added
+  (:meth:`~sdc_agent.audit.ReplayAudit.micro_batch`; it changes nothing); with a
+  reduce-scatter every micro-batch FSDP empties it after each backward, and both read
+  the same. Check 1 scans them in the reduce-scatter's flat input, through a
   custom reduce-scatter (:meth:`FSDPModule.set_custom_reduce_scatter`) that calls FSDP's
   own: one pass, the kernel check 1 uses for DDP, multiplying by exactly 1. A non-finite
   value there names the rank that computed it.

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from sdc_agent.drill import Drill, DrillRank
+from sdc_agent.audit import audited_micro_batch
+from sdc_agent.drill import MARKED, Drill, DrillRank
 from sdc_agent.faults import FaultSpec
 from sdc_agent.launch import spawn_local
 
@@ -34,6 +35,12 @@ LONG_REPLAY_EVERY = 5
 LONG = {"weights_every": 1, "replay_every": LONG_REPLAY_EVERY, "fingerprint_backend": "eager"}
 # A small relative error in a whole hidden layer's output (4.0001 instead of 4.0000).
 FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
+# Gradient accumulation, an audit every step: two cycles of audits over 3 micro-batches
+# (the first in order, the second shuffled), so every micro-batch is audited twice.
+MICRO = 3
+MICRO_STEPS = 2 * MICRO
+MICRO_START = MICRO + 1
+MARKED_SUSPECT = 3
 
 
 def fault(rank: int, step: int, site: str, kind: str, **kw: Any) -> FaultSpec:
@@ -49,8 +56,19 @@ def scenarios(layout: str) -> dict[str, Drill]:
         "plain": drill(steps=12, guarded=False),
         "long_clean": drill(steps=LONG_STEPS, config=LONG),
         "long_plain": drill(steps=LONG_STEPS, guarded=False),
-        "accumulation_clean": drill(steps=4, micro_batches=3, config=AUDIT),
-        "accumulation_plain": drill(steps=4, micro_batches=3, guarded=False),
+    }
+    # Gradient accumulation both ways a loop does it under FSDP2: one reduce-scatter after
+    # the last micro-batch (set_requires_gradient_sync(False) before, what Guard.step does)
+    # and one after every micro-batch ("syncing"); no fault, unguarded, and a fault only the
+    # third micro-batch's inputs trigger, from the second cycle of audits on.
+    for mode, sync in (("accumulation", False), ("accumulation_syncing", True)):
+        micro = {"steps": MICRO_STEPS, "micro_batches": MICRO, "sync_micro_batches": sync}
+        out[f"{mode}_clean"] = drill(**micro, config=AUDIT)
+        out[f"{mode}_plain"] = drill(**micro, guarded=False)
+        out[f"{mode}_marked"] = drill(
+            **micro, marked_fault=(MARKED_SUSPECT, MICRO_START, 1e-4), config=AUDIT
+        )
+    out |= {
         "grad_local_nan": drill(steps=5, faults=(fault(3, 3, "grad_local", "nan"),), config=AUDIT),
         "grad_reduced_nan": drill(
             steps=6, faults=(fault(2, 5, "grad_reduced", "nan"),), config=EVERY_STEP
@@ -159,14 +177,21 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     world: tuple[str, dict[str, list[DrillRank]]],
 ) -> None:
     layout, results = world
-    for name, steps in (("clean", 12), ("accumulation_clean", 4)):
+    accumulating = ("accumulation_clean", "accumulation_syncing_clean")
+    for name, steps in (("clean", 12), *((a, MICRO_STEPS) for a in accumulating)):
         r = agreed(results[name])
         assert r.verdicts == [], name
         assert all(r.applied)
         assert r.replay_mismatches == 0
+        # Every comparison bit for bit, the rotated micro-batches' included.
+        assert r.bit_reproducible is True, name
         assert r.replay_comparisons == len(NODES) * steps, name
         assert r.last_clean_step == list(range(1, steps + 1)), name
-    for guarded, plain in (("clean", "plain"), ("accumulation_clean", "accumulation_plain")):
+    for guarded, plain in (
+        ("clean", "plain"),
+        ("accumulation_clean", "accumulation_plain"),
+        ("accumulation_syncing_clean", "accumulation_syncing_plain"),
+    ):
         assert [r.final_fingerprint for r in results[guarded]] == [
             r.final_fingerprint for r in results[plain]
         ], guarded
@@ -239,6 +264,36 @@ def test_fault_is_caught_at_its_step_and_rank(
         assert v["localized"] and v["corroborated"]
         assert r.last_clean_step[-1] < step
     assert all(x["step"] >= step for x in r.verdicts)
+
+
+@pytest.mark.parametrize("mode", ["accumulation", "accumulation_syncing"])
+def test_a_fault_only_a_later_micro_batch_triggers_is_named_at_its_turn(
+    world: tuple[str, dict[str, list[DrillRank]]], mode: str
+) -> None:
+    """The audited micro-batch rotates under FSDP2 and HSDP as under DDP: the replay of
+    the third micro-batch compares its own gradients (read as its backward hands them to FSDP's
+    unsharded parameters, before FSDP adds them to the earlier micro-batches')."""
+    layout, results = world
+    r = agreed(results[f"{mode}_marked"])
+    # An audit every step: the k-th audit (from 0) is step k + 1.
+    turn = next(
+        step
+        for step in range(MICRO_START, MICRO_STEPS + 1)
+        if audited_micro_batch(step - 1, MICRO) == MARKED
+    )
+    assert r.verdicts, "nothing caught"
+    v = r.verdicts[0]
+    assert (v["check"], v["step"], v["classification"]) == ("replay", turn, "rank")
+    assert (v["suspect_ranks"], v["localized"], v["transient"]) == ([MARKED_SUSPECT], True, False)
+    assert v["evidence"]["mesh_coordinates"] == {
+        str(MARKED_SUSPECT): mesh_coordinates(layout, MARKED_SUSPECT)
+    }
+    # Before it, the same run audited every micro-batch (the marked one at step 3, before
+    # the fault began) and named nobody; the step it was named at is held back.
+    assert all(r.applied[: turn - 1])
+    assert r.applied[turn - 1] is False
+    assert r.last_clean_step[turn - 1] == turn - 1
+    assert all(x["step"] >= turn for x in r.verdicts)
 
 
 def test_the_update_check_recomputes_the_slice_its_setting_says(
