@@ -42,7 +42,9 @@ echo "== pytest"
 # Test processes (pytest-xdist): most of the suite waits (process start-ups, the operator's
 # resyncs), so more processes than cores pay. Each process has its own API server, ports and
 # temporary directories; a file's tests stay in one process (--dist loadfile: the
-# module-scoped worlds and operators are built once).
+# module-scoped worlds and operators are built once). Files are handed out in the order
+# tests/conftest.py sorts them, the files with a slow test first (--no-loadscope-reorder:
+# xdist's own order, most tests first, left the long files of few tests to the end).
 workers="${HYPERPOD_SDC_TEST_WORKERS:-4}"
 # Two passes: the tests selected by the marker expression $1 (empty: all) that are not
 # marked timing, spread over the processes; then those marked timing (deadlines, lease
@@ -51,7 +53,8 @@ workers="${HYPERPOD_SDC_TEST_WORKERS:-4}"
 two_passes() {
     local selected="${1:+($1) and }" status=0
     shift
-    .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "${selected}not timing" "$@" \
+    .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
+        -m "${selected}not timing" "$@" \
         || status=$?
     # mypy runs beside the timing tests (about a minute of one core): they wait more than
     # they compute, and keep their margins with the other core busy (what
