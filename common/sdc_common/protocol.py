@@ -143,11 +143,11 @@ class VerdictReport:
 
 @dataclass(frozen=True, slots=True)
 class ReplayKind:
-    """One kind of replay evidence (the loss, or one layer's gradients) as the audit judges
-    it: in a heartbeat's ``replay_kinds``."""
+    """One kind of replay evidence (the loss, one layer's gradients, or one module's
+    forward output) as the audit judges it: in a heartbeat's ``replay_kinds``."""
 
     kind: str
-    """``loss`` or ``gradients:<layer>``."""
+    """``loss``, ``gradients:<layer>`` or ``outputs:<module>``."""
     threshold: float | None
     """Relative differences at or below it are noise (0: compared bit for bit); ``None``:
     the kind is blind."""

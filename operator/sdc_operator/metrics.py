@@ -164,8 +164,8 @@ class Metrics:
         self.replay_threshold = Gauge(
             "hyperpod_sdc_replay_threshold",
             "The replay audit's threshold in force per kind of evidence (loss, "
-            "gradients:<layer>; relative, 0: compared bit for bit; largest over the nodes; "
-            "absent while the kind is blind).",
+            "gradients:<layer>, outputs:<module>; relative, 0: compared bit for bit; largest "
+            "over the nodes; absent while the kind is blind).",
             [*_JOB, "kind"],
             registry=r,
         )

@@ -8,7 +8,7 @@ import math
 import os
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,10 @@ from .evidence import (
     compute_dtype,
     layer_groups,
     noise_cap,
+    output_kind,
+    output_modules,
+    output_stats,
+    output_tensor,
     tensor_stats,
 )
 from .faults import FaultInjector, FaultSpec, corrupt_
@@ -157,8 +161,12 @@ class _Collector:
             self.fps[index] = self.fingerprinter(grad)
             self.stats[index] = tensor_stats(grad)
 
-    def summary(self, loss: torch.Tensor, count: int) -> Summary:
-        """Everything on the host, in one copy (one synchronisation per computation)."""
+    def summary(
+        self, loss: torch.Tensor, count: int, outputs: torch.Tensor | None = None
+    ) -> Summary:
+        """Everything on the host, in one copy (one synchronisation per computation).
+        ``outputs``: the output modules' statistics (:class:`_OutputRecorder`), if the
+        forward was observed."""
         device = loss.device
         zero_fp = torch.zeros(2, dtype=torch.int64, device=device)
         zero_st = torch.zeros(2, dtype=torch.float64, device=device)
@@ -168,13 +176,85 @@ class _Collector:
         bad = ~torch.isfinite(stats).all() | ~torch.isfinite(value)
         bits = int(loss_bits(loss.detach()).item())
         fp_rows, stat_rows = fps.tolist(), stats.tolist()
+        out_rows = [] if outputs is None else outputs.tolist()
         return Summary(
             loss_bits=bits,
             loss=float(value.item()),
             fingerprints=tuple((int(a), int(b)) for a, b in fp_rows),
             stats=tuple((float(a), float(b)) for a, b in stat_rows),
             nonfinite=bool(bad.item()),
+            outputs=tuple((float(a), float(b)) for a, b in out_rows),
         )
+
+
+class _OutputRecorder:
+    """The output kinds' statistics of one forward: hooks on the output modules
+    (:func:`~sdc_agent.evidence.output_modules`) that exist only while an audited forward
+    runs (the owner's audited micro-batch, a replay, a rerun), read the module's output
+    (:func:`~sdc_agent.evidence.output_tensor`) and change nothing. A module called
+    several times in one forward adds up its calls."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)
+        self._handles: list[Any] = []
+        self._stats: dict[int, torch.Tensor] = {}
+        self._started = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> None:
+        """Record the forward that begins now (what an earlier start recorded is lost)."""
+        self.stop()
+        self._stats = {}
+        self._started = True
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+
+    def stop(self) -> None:
+        """No more hooks; what was recorded is kept for :meth:`take`."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        self.stop()
+        self._stats = {}
+        self._started = False
+
+    def take(self) -> torch.Tensor | None:
+        """The statistics recorded since :meth:`start` (``[modules, 2]`` float64; zeros
+        for a module not called), then reset; ``None`` if nothing was started."""
+        started = self._started
+        stats = self._stats
+        self.reset()
+        if not started:
+            return None
+        device = next(iter(stats.values()), torch.zeros(0)).device
+        zero = torch.zeros(2, dtype=torch.float64, device=device)
+        if not self.modules:
+            return zero.reshape(0, 2)
+        return torch.stack([stats.get(i, zero).to(device) for i in range(len(self.modules))])
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def _hook(self, i: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            t = output_tensor(output)
+            if t is None:
+                return
+            with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
+                stats = output_stats(t)
+            before = self._stats.get(i)
+            self._stats[i] = stats if before is None else before + stats
+
+        return hook
 
 
 class ReplayAudit:
@@ -229,7 +309,16 @@ class ReplayAudit:
         groups = layer_groups(names) if len(names) == len(self.params) else ()
         if not groups:
             groups = (("gradients", tuple(range(len(self.params)))),)
-        self.kind_names = (LOSS, *(name for name, _ in groups))
+        watched = output_modules(module)
+        self.outputs = len(watched)
+        """How many output kinds (the last kinds)."""
+        self._recorder = _OutputRecorder([m for _, m in watched])
+        self._own_outputs: torch.Tensor | None = None
+        self.kind_names = (
+            LOSS,
+            *(name for name, _ in groups),
+            *(output_kind(name) for name, _ in watched),
+        )
         self.groups = tuple(g for _, g in groups)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         first = next(iter(self.params), None)
@@ -298,7 +387,7 @@ class ReplayAudit:
     def compare(self, a: Summary, b: Summary) -> Comparison:
         """Two computations of one micro-batch, per kind of evidence (the loss, each
         layer's gradients)."""
-        return compare(a, b, self.groups)
+        return compare(a, b, self.groups, self.outputs)
 
     # -- during the step -----------------------------------------------------------------
 
@@ -314,6 +403,8 @@ class ReplayAudit:
         if self._micro:
             self._count = self._micro
         self._drop_grad_hooks()
+        self._recorder.reset()
+        self._own_outputs = None
         index = self.audited
         self.audited = 0
         if self._due_if_replayable:
@@ -352,9 +443,15 @@ class ReplayAudit:
 
     def forward_starts(self) -> None:
         """From the model's forward pre-hook: the RNG state the micro-batch starts from
-        (the first's, and the audited one's)."""
+        (the first's, and the audited one's), and on an audited step the output kinds'
+        hooks for the audited micro-batch's forward (until its loss is shown,
+        :meth:`micro_batch`)."""
         if self._forwards == self.audited or self._rng is None:
             self._rng = RngState.capture(self.device)
+        if self._due_if_replayable and self._forwards == self.audited:
+            self._recorder.start()
+        elif self._recorder.active:
+            self._recorder.stop()  # another forward before the audited one's loss: unseen
         self._forwards += 1
 
     def micro_batch(self, batch: Any, loss: torch.Tensor, *, syncs: bool, copy: bool) -> None:
@@ -389,6 +486,9 @@ class ReplayAudit:
                 self.own_loss = loss.detach().clone()
             return
         self._captured = True
+        # Its forward's outputs, as the replay records them: up to the loss, no backward
+        # (which recomputes checkpointed regions).
+        self._own_outputs = self._recorder.take()
         rng = self._rng if self._rng is not None else RngState.capture(self.device)
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
@@ -501,9 +601,16 @@ class ReplayAudit:
             return lambda i, g: collector.add(i, self._corrupted(i, g, active))
 
         loss = replay_complete(
-            self.module, self.params, self.loss_fn, payload, self.device, factory, self._keep
+            self.module,
+            self.params,
+            self.loss_fn,
+            payload,
+            self.device,
+            factory,
+            self._keep,
+            forward=self._recorder.recording,
         )
-        return collector.summary(loss, len(self.params))
+        return collector.summary(loss, len(self.params), self._recorder.take())
 
     def _corrupted(self, i: int, grad: torch.Tensor, specs: list[FaultSpec]) -> torch.Tensor:
         # The same local-gradient faults as the comm hook applies to real gradients.
@@ -527,7 +634,7 @@ class ReplayAudit:
         self._drop_grad_hooks()
         self.observe_grads()
         assert self.own_loss is not None
-        return self._own.summary(self.own_loss, len(self.params))
+        return self._own.summary(self.own_loss, len(self.params), self._own_outputs)
 
     # -- after backward ------------------------------------------------------------------
 
@@ -581,7 +688,9 @@ class ReplayAudit:
             self.noise.cap = cap
             self.noise.dtype = self._cap()[1] if self._cap()[0] == cap else "the widest dtype"
         comparisons = {
-            p: Comparison(tuple(KindDiff(bool(t[2 + 2 * k]), t[3 + 2 * k]) for k in range(n)))
+            p: Comparison(
+                tuple(KindDiff(bool(t[2 + 2 * k]), t[3 + 2 * k]) for k in range(n)), self.outputs
+            )
             for p, r in self.replayer_of.items()
             if (t := table[r])[0] == 1.0
         }
@@ -791,8 +900,8 @@ class ReplayAudit:
         if self.blind:
             return (
                 f"{text}. No kind of evidence can separate a faulty rank any more: the replay "
-                "audit cannot verify this job (replays differ beyond any rounding in every "
-                "kind, the loss and every layer's gradients: randomness outside torch's "
+                "audit cannot verify this job (replays differ beyond any rounding in the loss "
+                "and every layer's gradients: randomness outside torch's "
                 "generators, such as a private generator or unseeded dropout, cannot be "
                 "replayed); last_clean_step now follows the other checks. Use "
                 "sdc_agent.enable_determinism() and torch's generators to restore it."

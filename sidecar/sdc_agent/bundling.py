@@ -47,7 +47,7 @@ from .bundle import (
     bundle_path,
     take_snapshot,
 )
-from .evidence import Summary
+from .evidence import Summary, output_modules
 from .fingerprint import combine_fingerprints, format_fingerprint
 from .protocol import Suspect
 from .replay import Payload, Recheck, ReplayFinding, judge
@@ -123,11 +123,17 @@ def choose_source(
     return None
 
 
-def reference_from_summary(summary: Summary, names: Sequence[str], **extra: Any) -> dict[str, Any]:
+def reference_from_summary(
+    summary: Summary, names: Sequence[str], outputs: Sequence[str] = (), **extra: Any
+) -> dict[str, Any]:
     """The audit's summary of a computation as a bundle's reference (the layout of
     :func:`sdc_agent.bundle.reference_of`, from the fingerprints and statistics the audit
     already has: no recomputation, no copy of the gradients). A parameter without a
-    gradient (fingerprint ``(0, 0)``) is ``None``, as :func:`reference_of` records it."""
+    gradient (fingerprint ``(0, 0)``) is ``None``, as :func:`reference_of` records it.
+    ``outputs``: the output modules' names; where the summary has their statistics, they
+    are added as ``output_stats`` (``{module: [sum of absolute values, sum of squares]}``,
+    an optional field that readers of older bundles never needed and the confirmation
+    does not compare)."""
     if len(names) != len(summary.fingerprints):
         raise ValueError(f"{len(names)} names for {len(summary.fingerprints)} fingerprints")
     rows = torch.tensor(summary.fingerprints or [(0, 0)], dtype=torch.int64).reshape(-1, 2)
@@ -156,6 +162,9 @@ def reference_from_summary(summary: Summary, names: Sequence[str], **extra: Any)
         },
         "source": REFERENCE_SOURCE,
     }
+    if outputs and len(outputs) == len(summary.outputs):
+        pairs = zip(outputs, summary.outputs, strict=True)
+        out["output_stats"] = {n: [a, b] for n, (a, b) in pairs}
     out.update(extra)
     return out
 
@@ -315,7 +324,11 @@ def name_replay_bundle(
             module=module,
             payload=work.payload,
             reference=reference_from_summary(
-                work.reference, names, computed_by=writer.rank, node=writer.node
+                work.reference,
+                names,
+                [n for n, _ in output_modules(module)],
+                computed_by=writer.rank,
+                node=writer.node,
             ),
             suspect=suspect,
             step=step,

@@ -7,7 +7,19 @@ Kinds of evidence, each judged on its own (:mod:`sdc_agent.judging`):
   float64 statistics (the sum and the sum of squares of its elements); a layer's relative
   difference is the largest of its tensors'. Run-to-run noise moves them by a last bit or
   so and a hardware fault by its size: a whole tensor off by 2.5e-5 moves its sum of
-  squares by 5e-5.
+  squares by 5e-5;
+* the **forward output of each module** (:func:`output_modules`): two float64 statistics
+  of its output, the sum of absolute values and the Euclidean norm
+  (:func:`output_stats`). A fault of one bf16 ulp in every element of a layer's output
+  moves both by about an ulp's relative size there (every magnitude moves the same way),
+  while noise that moves a share ``f`` of ``n`` elements by ±1 ulp moves them by about
+  ``sqrt(2 f n) / n`` ulp (signs cancel): measured under the GPT-2's forward noise
+  (docs/agent.md), 5.6e-3 against at most 3.1e-5 at the faulty module, where the loss
+  and the gradients, after the network diluted the fault, cannot tell it from the noise.
+  Neither statistic moves by more than one ulp when the elements differ only by
+  rounding (each magnitude moves by at most its ulp), so the dtype's cap holds for them
+  as for the others. The plain sum is left out: it cancels (a relative fault of every
+  element moved it by 1.6e-5 against noise of 3.5e-5).
 
 :func:`compare` measures two computations per kind; :mod:`sdc_agent.judging` learns each
 kind's noise and says which kinds still separate a faulty rank. Tolerances are capped by
@@ -20,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +51,11 @@ __all__ = [
     "kind_differs",
     "layer_groups",
     "noise_cap",
+    "is_output_kind",
+    "output_kind",
+    "output_modules",
+    "output_stats",
+    "output_tensor",
     "tensor_stats",
 ]
 
@@ -98,6 +116,16 @@ def tensor_stats(tensor: torch.Tensor) -> torch.Tensor:
     Computed in chunks, so no float64 copy of a large tensor is ever made; the same bits
     always give the same statistics on one kind of device.
     """
+    return _stats(tensor, absolute=False)
+
+
+def output_stats(tensor: torch.Tensor) -> torch.Tensor:
+    """``[sum of absolute values, sum of squares]`` of a module's output in float64, on
+    its device, in chunks as :func:`tensor_stats`."""
+    return _stats(tensor, absolute=True)
+
+
+def _stats(tensor: torch.Tensor, *, absolute: bool) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     out = torch.zeros(2, dtype=torch.float64, device=flat.device)
     if flat.is_complex():
@@ -107,9 +135,51 @@ def tensor_stats(tensor: torch.Tensor) -> torch.Tensor:
     step = _CHUNK.get(flat.device.type, _CHUNK["cuda"])
     for start in range(0, flat.numel(), step):
         chunk = flat[start : start + step].to(torch.float64)
-        out[0] += chunk.sum()
+        out[0] += chunk.abs().sum() if absolute else chunk.sum()
         out[1] += torch.dot(chunk, chunk)
     return out
+
+
+def output_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor that is a module's result: the output itself, or the first
+    floating-point tensor in it, depth first through tuples, lists and mappings in their
+    order (a transformers ``ModelOutput`` is one: its first field, ``last_hidden_state``
+    or ``logits``; GPT-2's attention gives ``(output, weights)`` and its blocks
+    ``(hidden_states, ...)``). Caches and other objects are skipped; ``None`` if there
+    is none."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, Mapping):
+        items: Iterable[Any] = output.values()
+    elif isinstance(output, tuple | list):
+        items = output
+    else:
+        return None
+    for item in items:
+        found = output_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList)
+
+
+def output_modules(module: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
+    """The modules whose forward outputs are kinds of evidence, by name, in
+    ``named_modules()`` order: every module below the root that holds a trainable
+    parameter in itself or below it. The gradient kinds' layers (the modules that own
+    parameters) are among them, with the blocks that contain them (a transformer block,
+    its MLP): a fault in the output of a block's MLP shows in that MLP's output and its
+    block's, and no longer clearly past the next LayerNorm. Lists and dicts of modules
+    (no forward of their own) are left out."""
+    out = []
+    for name, m in module.named_modules():
+        if not name or isinstance(m, _CONTAINERS):
+            continue
+        if any(p.requires_grad for p in m.parameters()):
+            out.append((name, m))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +193,10 @@ class Summary:
     stats: tuple[tuple[float, float], ...]
     """Per gradient tensor: ``(sum, sum of squares)`` in float64."""
     nonfinite: bool = False
+    outputs: tuple[tuple[float, float], ...] = ()
+    """Per module of :func:`output_modules`: ``(sum of absolute values, sum of squares)``
+    of its forward output in float64, summed over its calls in the forward; empty where
+    the forward was not observed (then the output kinds compare as equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +211,20 @@ class Tolerance:
 
 LOSS = "loss"
 """The name of the loss's kind of evidence; gradient kinds are named ``gradients:<layer>``
-(the module that owns the parameters, as ``named_parameters()`` spells it)."""
+(the module that owns the parameters, as ``named_parameters()`` spells it), output kinds
+``outputs:<module>`` (as ``named_modules()`` spells it)."""
 
 
 def gradient_kind(layer: str) -> str:
     return f"gradients:{layer}"
+
+
+def output_kind(module: str) -> str:
+    return f"outputs:{module}"
+
+
+def is_output_kind(name: str) -> bool:
+    return name.startswith("outputs:")
 
 
 def layer_groups(names: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -169,9 +252,11 @@ class KindDiff:
 class Comparison:
     """How two computations of one micro-batch differ, per kind of evidence: the loss
     first (``kinds[0]``), then each gradient kind (a layer), in the order of the groups
-    :func:`compare` was given."""
+    :func:`compare` was given, then each output kind (``outputs`` of them)."""
 
     kinds: tuple[KindDiff, ...]
+    outputs: int = 0
+    """How many of the kinds, at the end, are output kinds."""
 
     @classmethod
     def of(
@@ -189,12 +274,16 @@ class Comparison:
         return self.kinds[0].rel
 
     @property
+    def gradient_kinds(self) -> tuple[KindDiff, ...]:
+        return self.kinds[1 : len(self.kinds) - self.outputs]
+
+    @property
     def grads_equal(self) -> bool:
-        return all(k.equal for k in self.kinds[1:])
+        return all(k.equal for k in self.gradient_kinds)
 
     @property
     def grad_rel(self) -> float:
-        return max([0.0, *(k.rel for k in self.kinds[1:])])
+        return max([0.0, *(k.rel for k in self.gradient_kinds)])
 
     @property
     def bitwise_equal(self) -> bool:
@@ -225,9 +314,12 @@ def _rel(a: float, b: float, scale: float) -> float:
     return abs(a - b) / max(scale, _TINY)
 
 
-def compare(a: Summary, b: Summary, groups: Sequence[Sequence[int]] | None = None) -> Comparison:
+def compare(
+    a: Summary, b: Summary, groups: Sequence[Sequence[int]] | None = None, outputs: int = 0
+) -> Comparison:
     """Compare two computations of the same micro-batch, per kind of evidence: the loss,
-    then one gradient kind per group of tensor indices (``None``: all tensors, one kind)."""
+    then one gradient kind per group of tensor indices (``None``: all tensors, one kind),
+    then ``outputs`` output kinds (equal where either side did not observe its forward)."""
     loss_equal = a.loss_bits == b.loss_bits
     loss_rel = 0.0 if loss_equal else _rel(a.loss, b.loss, max(abs(a.loss), abs(b.loss)))
     if a.nonfinite != b.nonfinite:
@@ -248,7 +340,26 @@ def compare(a: Summary, b: Summary, groups: Sequence[Sequence[int]] | None = Non
                 norm = math.sqrt(max(q1, q2, 0.0))
                 rel = max(rel, _rel(q1, q2, max(q1, q2)), _rel(s1, s2, norm))
         kinds.append(KindDiff(equal, rel))
-    return Comparison(tuple(kinds))
+    kinds.extend(_compare_outputs(a.outputs, b.outputs, outputs))
+    return Comparison(tuple(kinds), outputs)
+
+
+def _compare_outputs(
+    a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]], count: int
+) -> list[KindDiff]:
+    if len(a) != count or len(b) != count:
+        return [KindDiff(True, 0.0)] * count
+    out = []
+    for (l1, q1), (l2, q2) in zip(a, b, strict=True):
+        if (l1, q1) == (l2, q2):
+            out.append(KindDiff(True, 0.0))
+            continue
+        # The norm rather than the sum of squares: a rounding difference moves it by at
+        # most one ulp, as it does the sum of absolute values (so the dtype's cap holds).
+        n1, n2 = math.sqrt(max(q1, 0.0)), math.sqrt(max(q2, 0.0))
+        rel = max(_rel(l1, l2, max(abs(l1), abs(l2))), _rel(n1, n2, max(n1, n2)))
+        out.append(KindDiff(False, rel))
+    return out
 
 
 def attribute(

@@ -2,7 +2,8 @@
 still separate a faulty rank.
 
 A comparison of two computations of one micro-batch carries several **kinds** of evidence
-(:class:`~sdc_agent.evidence.Comparison`): the loss, and the gradients of each layer. Each
+(:class:`~sdc_agent.evidence.Comparison`): the loss, the gradients of each layer, and the
+forward output of each module. Each
 kind is judged on its own against the noise learned for it (:class:`KindNoise`): noise in
 one layer's gradients (atomics in its backward) or in the loss (a forward that is not
 reproducible) never raises another kind's threshold, so a fault that one kind shows is
@@ -24,7 +25,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .evidence import HEADROOM, LOSS, Comparison, Tolerance, kind_differs
+from .evidence import HEADROOM, LOSS, Comparison, Tolerance, is_output_kind, kind_differs
 
 __all__ = ["BLIND_MARGIN", "KindNoise", "NoiseModel", "split_by_kind"]
 
@@ -78,10 +79,15 @@ class NoiseModel:
     observed: int = 0
     """Comparisons that had any bitwise difference."""
     compared: int = 0
+    _backward: list[KindNoise] = field(default_factory=list, init=False, repr=False)
+    """The loss and the gradient kinds (those that see the backward)."""
+    _gradients: list[KindNoise] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.kinds:
             self.kinds = [KindNoise(n) for n in self.kind_names]
+        self._backward = [k for k in self.kinds if not is_output_kind(k.name)]
+        self._gradients = self._backward[1:]
 
     # -- what is in force ------------------------------------------------------------------
 
@@ -93,9 +99,9 @@ class NoiseModel:
     def tolerance(self, ranks: Iterable[int]) -> Tolerance:
         """The loss's tolerance and the largest gradient kind's, between ``ranks`` (blind
         kinds left out)."""
-        t = self.tolerances(ranks)
-        grads = [x for x, k in zip(t[1:], self.kinds[1:], strict=True) if k.blind is None]
-        return Tolerance(loss=t[0], gradients=max([0.0, *grads]))
+        ranks = list(ranks)
+        grads = [k.tolerance(ranks) for k in self._gradients if k.blind is None]
+        return Tolerance(loss=self.kinds[0].tolerance(ranks), gradients=max([0.0, *grads]))
 
     def differs(self, k: int, c: Comparison, ranks: Iterable[int]) -> bool:
         """Kind ``k`` of ``c`` is evidence between ``ranks`` (never for a blind kind)."""
@@ -116,16 +122,17 @@ class NoiseModel:
 
     @property
     def blind(self) -> bool:
-        """No kind can separate a faulty rank any more. Read at every step (whether the
-        audit vouches): stops at the first working kind, the loss as a rule, rather than
-        listing every layer's."""
-        return all(k.blind is not None for k in self.kinds)
+        """Neither the loss nor any gradient kind can separate a faulty rank any more: the
+        audit vouches for nothing (the output kinds, which see the forward only, may still
+        accuse). Read at every step (whether the audit vouches): stops at the first working
+        kind, the loss as a rule, rather than listing every layer's."""
+        return all(k.blind is not None for k in self._backward)
 
     @property
     def largest(self) -> float:
-        """The largest gradient tolerance in force in any kind that still works (0:
-        bit-reproducible so far)."""
-        return max([0.0, *(k.largest for k in self.kinds[1:] if k.blind is None)])
+        """The largest gradient tolerance in force in any gradient kind that still works
+        (0: bit-reproducible so far)."""
+        return max([0.0, *(k.largest for k in self._gradients if k.blind is None)])
 
     @property
     def largest_loss(self) -> float:

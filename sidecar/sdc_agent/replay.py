@@ -20,6 +20,7 @@ micro-batch between ranks and recomputing it (:class:`Payload`, :func:`exchange`
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
@@ -709,6 +710,7 @@ def replay(
     device: torch.device,
     sink: GradSink,
     keep: set[int] | None = None,
+    forward: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> torch.Tensor:
     """Recompute ``payload``'s loss and local gradients on ``module`` without side effects.
 
@@ -720,7 +722,8 @@ def replay(
     a DDP forward, and ``module`` is the unwrapped model). RNG state and buffers
     (BatchNorm statistics) are put back afterwards. Parameters in ``keep`` (whose
     gradient more than one backward pass accumulates) are handed over at the end instead.
-    Returns the detached loss.
+    ``forward``: a context entered around the forward and the loss only (the output
+    kinds' hooks). Returns the detached loss.
     """
     keep = set() if keep is None else keep
     batch = _map_tensors(payload.batch, lambda t: t.to(device))
@@ -755,6 +758,7 @@ def replay(
                 for dev, (enabled, dtype) in payload.autocast.items():
                     if enabled:
                         stack.enter_context(torch.autocast(dev, dtype=dtype))
+                stack.enter_context(forward() if forward is not None else contextlib.nullcontext())
                 loss = loss_fn(module, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise SDCError("loss_fn must return a scalar tensor")
@@ -786,11 +790,12 @@ def replay_complete(
     device: torch.device,
     sink_factory: Callable[[], GradSink],
     keep: set[int],
+    forward: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> torch.Tensor:
     """:func:`replay`, once more with the parameters it found accumulated twice kept to
     the end (``keep`` grows; later replays of the run need no second try)."""
     while True:
         try:
-            return replay(module, params, loss_fn, payload, device, sink_factory(), keep)
+            return replay(module, params, loss_fn, payload, device, sink_factory(), keep, forward)
         except _SharedAcrossPasses as shared:
             keep.add(int(shared.args[0]))

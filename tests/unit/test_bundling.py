@@ -119,3 +119,18 @@ def test_bundle_settings_in_the_guard_config(tmp_path: Path) -> None:
         GuardConfig.from_env({}, bundles=BundleSettings(), bundle_dir="/x")
     with pytest.raises(ConfigError, match="^bundles: must be"):
         GuardConfig(bundles="/fsx")  # type: ignore[arg-type]
+
+
+def test_the_output_statistics_are_an_optional_field_of_the_reference() -> None:
+    """Compatible both ways: a summary without them (or no names) writes the reference as
+    before; with them, ``output_stats`` is added and nothing else changes."""
+    from sdc_agent.evidence import Summary
+
+    plain = Summary(3, 1.5, ((1, 2),), ((0.5, 0.25),))
+    before = reference_from_summary(plain, ["w"])
+    assert "output_stats" not in before
+    observed = Summary(3, 1.5, ((1, 2),), ((0.5, 0.25),), outputs=((2.0, 1.0),))
+    after = reference_from_summary(observed, ["w"], ["layer"])
+    assert after.pop("output_stats") == {"layer": [2.0, 1.0]}
+    assert after == before
+    assert "output_stats" not in reference_from_summary(observed, ["w"])

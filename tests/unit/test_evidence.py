@@ -14,8 +14,13 @@ from sdc_agent.evidence import (
     Tolerance,
     compare,
     compute_dtype,
+    is_output_kind,
     layer_groups,
     noise_cap,
+    output_kind,
+    output_modules,
+    output_stats,
+    output_tensor,
     tensor_stats,
 )
 from sdc_agent.judging import NoiseModel, split_by_kind
@@ -194,3 +199,101 @@ def test_an_excused_rank_takes_differences_up_to_the_cap_in_the_kind_that_differ
     assert model.tolerances([1]) == [FP32, 0.0], "the gradients were not part of it"
     assert not model.differs(LOSS, loss_off(9e-7), [1, 2])
     assert model.differs(LOSS, loss_off(2e-6), [1, 2]), "above the cap: still evidence"
+
+
+# -- the forward output kinds ---------------------------------------------------------------
+
+
+def _bf16(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _outputs(*tensors: torch.Tensor) -> Summary:
+    return Summary(0, 0.0, (), (), outputs=tuple(tuple(output_stats(t).tolist()) for t in tensors))
+
+
+def _ulp_away_from_zero(t: torch.Tensor, where: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    bits = out.view(torch.int16)
+    bits[where] += sign.to(torch.int16)  # sign-magnitude: +1 moves away from zero
+    return out
+
+
+def test_one_ulp_in_every_element_stands_far_above_one_ulp_in_one_percent() -> None:
+    """Why the output kinds use the sum of absolute values and the norm: the GPT-2's 1e-3
+    fault is one bf16 ulp in every element of a layer's output (every magnitude up), the
+    forward noise one ulp in 1 % of them, either way, on both computations. The fault
+    moves the statistics by about an ulp's relative size, the noise by a hundredth of
+    that; both stay within the cap (rounding-level differences)."""
+    x = _bf16(4096)
+    everywhere = torch.arange(x.numel())
+    fault = compare(
+        _outputs(x), _outputs(_ulp_away_from_zero(x, everywhere, torch.ones(4096))), outputs=1
+    )
+    g = torch.Generator().manual_seed(1)
+    noisy = []
+    for _ in range(2):
+        where = torch.randperm(x.numel(), generator=g)[:41]
+        sign = torch.randint(0, 2, (41,), generator=g) * 2 - 1
+        noisy.append(_ulp_away_from_zero(x, where, sign))
+    noise = compare(_outputs(noisy[0]), _outputs(noisy[1]), outputs=1)
+    cap = noise_cap(torch.bfloat16)
+    assert 2e-3 < fault.kinds[-1].rel <= cap
+    assert 0 < noise.kinds[-1].rel < 1e-4
+    assert fault.kinds[-1].rel > 50 * noise.kinds[-1].rel
+    # The plain sum cancels: it would not tell them apart.
+    plain = [
+        float(tensor_stats(t)[0]) for t in (x, _ulp_away_from_zero(x, everywhere, torch.ones(4096)))
+    ]
+    assert abs(plain[0] - plain[1]) / float(output_stats(x)[0]) < 1e-3
+
+
+def test_output_kinds_follow_the_gradient_kinds_and_compare_equal_where_unobserved() -> None:
+    a = Summary(0, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=((4.0, 4.0), (2.0, 1.0)))
+    b = Summary(0, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=((4.0, 4.0), (2.0, 1.21)))
+    c = compare(a, b, [[0]], outputs=2)
+    assert len(c.kinds) == 4 and c.outputs == 2
+    assert c.kinds[2] == KindDiff(True, 0.0)
+    assert not c.kinds[3].equal and math.isclose(c.kinds[3].rel, 0.1 / 1.1)
+    assert c.grads_equal and c.grad_rel == 0.0  # the output kinds are not gradients
+    unobserved = Summary(0, 1.0, ((1, 1),), ((1.0, 1.0),))
+    assert compare(a, unobserved, [[0]], outputs=2).kinds[2:] == (KindDiff(True, 0.0),) * 2
+
+
+def test_the_tensor_that_is_a_modules_result() -> None:
+    hidden = torch.ones(2)
+    assert output_tensor(hidden) is hidden
+    assert output_tensor((hidden, torch.zeros(3))) is hidden  # attention: (output, weights)
+    assert output_tensor((None, [torch.arange(3), hidden])) is hidden  # integers skipped
+    assert output_tensor({"last_hidden_state": hidden, "past": object()}) is hidden
+    assert output_tensor(object()) is None and output_tensor(torch.arange(2)) is None
+
+
+def test_output_modules_are_the_parameterized_modules_and_their_blocks() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(4)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.ModuleList([Block()])
+    )
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    model.append(frozen)
+    names = [n for n, _ in output_modules(model)]
+    assert names == ["0", "2.0", "2.0.ln", "2.0.mlp", "2.0.mlp.0"]
+    assert [output_kind(n) for n in names[:1]] == ["outputs:0"] and is_output_kind("outputs:0")
+
+
+def test_the_output_kinds_alone_never_keep_the_audit_vouching() -> None:
+    """They see the forward only: with the loss and every gradient kind blind the audit is
+    blind, and the gradient tolerance ignores them."""
+    model = NoiseModel(cap=FP32, kind_names=["loss", "gradients:0", "outputs:0"])
+    model.kinds[2].job = 5e-7
+    model.kinds[1].job = 1e-7
+    assert model.tolerance((0, 1)).gradients == 1e-7 and model.largest == 1e-7
+    model.go_blind(0, 1.0, "noise")
+    assert not model.blind
+    model.go_blind(1, 1.0, "noise")
+    assert model.blind and model.working == [2]
