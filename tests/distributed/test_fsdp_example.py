@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,9 @@ from typing import Any
 import pytest
 
 from sdc_agent.launch import free_port
+from sdc_harness import zygote
 
-# slow: two worlds of 6 and 4 processes started as a job starts them (about 40 s on 2 cores)
+# slow: two worlds of 6 and 4 processes started as a job starts them (25 s on 2 cores, loaded)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +40,19 @@ def job(
 ) -> tuple[int, str]:
     """The example on ``nodes`` x ``per_node`` processes, each with the env torchrun and
     the pod give it (RANK ..., NODE_NAME), through run_example.py (no gloo thread may
-    outlive the teardown). Returns the worst exit code and rank 0's output."""
+    outlive the teardown). Returns the worst exit code and rank 0's output.
+
+    Each process is forked from one that imported torch once (``sdc_harness.zygote``, as the
+    demo's kubelet stand-in starts a pod's workers): about 3 s of CPU less per process, 10
+    processes here. The example runs from the start in each process; only the fork server's
+    imports are inherited: torch's, and the agent's where the agent's spawn_local started
+    this pytest process's fork server first. Either way each process runs one intra-op
+    thread, as under OMP_NUM_THREADS=1 (tests/distributed/test_zygote.py). A fresh interpreter's
+    start-up under torchrun is tested for the README's examples
+    (tests/distributed/test_quickstart.py), not for this one."""
     world, port = nodes * per_node, free_port()
+    logs = result.with_suffix(".logs")
+    logs.mkdir()
     procs = []
     for rank in range(world):
         env = {
@@ -72,13 +83,14 @@ def job(
             "--result-file",
             str(result),
         ]
-        procs.append(
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    codes = [p.returncode for p in procs]
+        procs.append(zygote.start(command, env, logs / f"rank{rank}.log"))
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.process.kill()
+    outputs = [(logs / f"rank{rank}.log").read_text() for rank in range(world)]
     for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} exited {code}:\n{out}"
         assert "Traceback" not in out, f"rank {rank}:\n{out}"
