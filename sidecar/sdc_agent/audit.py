@@ -34,6 +34,7 @@ from .evidence import (
     output_modules,
     output_stats,
     output_tensor,
+    stats_scratch,
     tensor_stats,
 )
 from .faults import FaultInjector, FaultSpec, corrupt_
@@ -148,18 +149,57 @@ def audit_turn(step: int, *, every: int, drawn: bool, again: bool) -> str | None
     return "again" if again else None
 
 
-class _Collector:
-    """Per-parameter fingerprints and statistics of one computation."""
+class _Scratch:
+    """One CPU buffer for every statistic an audit computes (see
+    :func:`~sdc_agent.evidence.stats_scratch`), made at the first; the computations that
+    use it run one after the other, on the training thread."""
 
-    def __init__(self, fingerprinter: Fingerprinter) -> None:
+    def __init__(self) -> None:
+        self._cpu: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> torch.Tensor | None:
+        if device.type != "cpu":
+            return None
+        if self._cpu is None:
+            self._cpu = stats_scratch(device)
+        return self._cpu
+
+
+class _Collector:
+    """Per-parameter fingerprints and statistics of one computation.
+
+    ``reference``: the computation this one will be compared with (the partner's own,
+    for its replay). On a CPU, where reading a fingerprint costs nothing, a gradient
+    whose fingerprint equals the reference's has the reference's bits, so it takes the
+    reference's statistics instead of computing them again (the statistics are only
+    ever read where fingerprints differ, and the same bits give the same statistics).
+    """
+
+    def __init__(
+        self,
+        fingerprinter: Fingerprinter,
+        scratch: _Scratch | None = None,
+        reference: Summary | None = None,
+    ) -> None:
         self.fingerprinter = fingerprinter
+        self.scratch = scratch if scratch is not None else _Scratch()
+        self.reference = reference
         self.fps: dict[int, torch.Tensor] = {}
         self.stats: dict[int, torch.Tensor] = {}
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         with torch.no_grad():
-            self.fps[index] = self.fingerprinter(grad)
-            self.stats[index] = tensor_stats(grad)
+            fp = self.fps[index] = self.fingerprinter(grad)
+            ref = self.reference
+            if (
+                ref is not None
+                and fp.device.type == "cpu"
+                and index < len(ref.fingerprints)
+                and tuple(fp.tolist()) == ref.fingerprints[index]
+            ):
+                self.stats[index] = torch.tensor(ref.stats[index], dtype=torch.float64)
+                return
+            self.stats[index] = tensor_stats(grad, self.scratch.on(grad.device))
 
     def summary(
         self, loss: torch.Tensor, count: int, outputs: torch.Tensor | None = None
@@ -351,7 +391,8 @@ class ReplayAudit:
         self._in_hook = False
         self._syncing_recorded = 0  # micro-batches recorded whose backward all-reduces
         self._passes = 0  # backward passes the comm hook saw this step
-        self._own = _Collector(fingerprinter)
+        self._scratch = _Scratch()
+        self._own = _Collector(fingerprinter, self._scratch)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
         self._audits_due = 0  # audits begun so far: the position in the permutations
         self._again = False  # the last audit left differences unseparated: audit again
@@ -423,7 +464,7 @@ class ReplayAudit:
         self._in_hook = False
         self._syncing_recorded = 0
         self._passes = 0
-        self._own = _Collector(self.fingerprinter)
+        self._own = _Collector(self.fingerprinter, self._scratch)
 
     def set_loss_fn(self, loss_fn: LossFn) -> None:
         """The loss function, given with the first micro-batch rather than at start-up."""
@@ -587,15 +628,16 @@ class ReplayAudit:
 
     # -- recomputing -----------------------------------------------------------------------
 
-    def _recompute(self, payload: Payload) -> Summary:
-        """``payload`` recomputed here, summarized."""
+    def _recompute(self, payload: Payload, reference: Summary | None = None) -> Summary:
+        """``payload`` recomputed here, summarized (``reference``: what it will be
+        compared with, see :class:`_Collector`)."""
         assert self.loss_fn is not None
         active = [s for s in self.injector.pending("grad_local") if self.injector.fire(s)]
-        collector = _Collector(self.fingerprinter)
+        collector = _Collector(self.fingerprinter, self._scratch, reference)
 
         def factory() -> Callable[[int, torch.Tensor], None]:
             nonlocal collector
-            collector = _Collector(self.fingerprinter)
+            collector = _Collector(self.fingerprinter, self._scratch, reference)
             if not active:
                 return collector.add
             return lambda i, g: collector.add(i, self._corrupted(i, g, active))
@@ -674,7 +716,7 @@ class ReplayAudit:
         if partner is not None:
             raw, partner_own = unpack(received[partner])
             partner_payload = Payload.from_bytes(raw)
-            replayed = self._recompute(partner_payload)
+            replayed = self._recompute(partner_payload, partner_own)
             c = self.compare(partner_own, replayed)
             row[0] = 1.0
             for k, d in enumerate(c.kinds):

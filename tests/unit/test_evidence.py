@@ -21,6 +21,7 @@ from sdc_agent.evidence import (
     output_modules,
     output_stats,
     output_tensor,
+    stats_scratch,
     tensor_stats,
 )
 from sdc_agent.judging import NoiseModel, split_by_kind
@@ -47,6 +48,29 @@ def test_stats_are_float64_and_chunked_like_one_pass() -> None:
     assert math.isclose(s[0].item(), ref.sum().item(), rel_tol=1e-12, abs_tol=1e-9)
     assert math.isclose(s[1].item(), (ref * ref).sum().item(), rel_tol=1e-12)
     assert torch.equal(tensor_stats(g.clone()), s)  # same bits, same statistics
+
+
+def test_stats_widened_in_a_scratch_are_bit_for_bit_the_same() -> None:
+    torch.manual_seed(0)
+    scratch = stats_scratch(torch.device("cpu"))
+    assert scratch is not None
+    assert stats_scratch(torch.device("meta")) is None  # off the CPU: fresh chunks
+    cases = [
+        torch.randn(3 << 18 | 5),  # chunks, and a short last one
+        torch.randn(1000, 7)[:, 2],  # not contiguous
+        torch.randn(5 << 17).to(torch.bfloat16) * 1e3,
+        torch.randn(777).to(torch.float16),
+        torch.randn(1 << 18 | 1, dtype=torch.float64),  # widened by nothing
+        torch.randn(300, dtype=torch.complex64),
+        torch.randint(-(2**20), 2**20, (4099,), dtype=torch.int32),
+        torch.tensor([1.0, float("nan"), float("inf")]),
+        torch.empty(0),
+    ]
+    for g in cases:
+        # Its last use left other values in the scratch: nothing of them leaks in.
+        scratch.normal_()
+        got, fresh = tensor_stats(g, scratch), tensor_stats(g)
+        assert torch.equal(got.view(torch.int64), fresh.view(torch.int64)), g.dtype
 
 
 def test_last_bit_noise_is_far_below_a_real_error() -> None:
