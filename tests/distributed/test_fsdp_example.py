@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,17 +85,25 @@ def job(
             str(result),
         ]
         procs.append(zygote.start(command, env, logs / f"rank{rank}.log"))
+    codes: list[int | None] = []
     try:
         codes = [p.wait(timeout=240) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = [p.poll() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.process.kill()
     outputs = [(logs / f"rank{rank}.log").read_text() for rank in range(world)]
+    # A rank still running after 240 s fails with every rank's output (where it stopped).
+    assert None not in codes, "ranks still running after 240 s: " + "".join(
+        f"\n-- rank {r} ({'running' if c is None else f'exit {c}'}):\n{out[-3000:]}"
+        for r, (c, out) in enumerate(zip(codes, outputs, strict=True))
+    )
     for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} exited {code}:\n{out}"
         assert "Traceback" not in out, f"rank {rank}:\n{out}"
-    return max(codes), outputs[0]
+    return max(c or 0 for c in codes), outputs[0]
 
 
 @pytest.fixture(scope="module")
