@@ -25,6 +25,11 @@ Pods, jobs, nodes, namespaces and policies come from watch-fed caches (:mod:`.ca
 a pod or job the watch has not delivered yet is read once (one read at a time per object).
 A heartbeat, and a verdict already recorded, cost no API call.
 
+The verdict port (``verdict_port``) serves the same ``POST /v1/reports`` with an intake of its
+own on another thread's event loop (:meth:`Intake.for_verdicts`): the same checks in the
+same order, sharing the rate limiters, the reports in flight and their lanes; there a
+heartbeat is refused (421 ``misdirected``).
+
 Every answer on the tenants' listener names the protocol versions accepted
 (``Hyperpod-Sdc-Protocol: 1, 2``); an accepted report's answer lists the fields this
 operator ignored (``"ignored"``, protocol 2: fields of a newer agent).
