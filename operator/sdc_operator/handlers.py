@@ -69,6 +69,13 @@ addresses (:mod:`.apiserver`) may use: any number of other addresses together ho
 384, so idle or slow connections from tenants' pods cannot refuse the API server's
 reviews (which, under the creator check's ``failurePolicy: Fail``, would refuse every
 pod)."""
+VERDICT_PORT_CONNECTIONS = 64
+"""Connections the verdict port holds open at once; more are reset as they are accepted,
+and their agents send on their kept connection to the intake's main port instead. The
+elected reporters (3 per verdict) need few; when every node of a large job reports at once,
+the first 64 are answered quickly (agreement needs two) instead of every node's TLS
+handshake being interleaved with every other's: at 2,048 nodes with no such limit the first
+verdict was answered after 6.4 s, loaded (docs/operator.md, "Verdicts first")."""
 API_SERVER_EVERY_SECONDS = 30.0
 """How often the API server's addresses are read again (they change when the control
 plane is replaced: an EKS upgrade)."""
@@ -301,7 +308,14 @@ class Operator:
             # (at most 1 s at a time, then at least 1 s read): .listeners.Hold
             self.hold = Hold(sites["intake"], asyncio.get_running_loop())
             self._verdict_runner, site = await self.verdict_thread.run(
-                self._listen("verdicts", verdicts, None, s.verdict_port, reports)
+                self._listen(
+                    "verdicts",
+                    verdicts,
+                    None,
+                    s.verdict_port,
+                    reports,
+                    most_open=VERDICT_PORT_CONNECTIONS,
+                )
             )
             site.busy = self.hold.busy
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
@@ -315,6 +329,7 @@ class Operator:
         app: web.Application | None,
         port: int,
         connections: Connections,
+        most_open: int | None = None,
     ) -> tuple[web.AppRunner, GuardedSite]:
         """Serve ``app`` (default: ``intake``'s reports app) on ``port``, on the event loop
         this runs on; its runner and site."""
@@ -330,6 +345,7 @@ class Operator:
             handshakes_per_source=s.handshakes_per_source,
             name=name,
             connections=connections,
+            most_open=most_open,
         )
         await site.start()
         log.info("%s listening on %s", name, site.name)

@@ -131,6 +131,7 @@ class GuardedSite(web.BaseSite):
         handshakes_per_source: int,
         name: str,
         connections: Connections,
+        most_open: int | None = None,
         backlog: int = 4096,
     ) -> None:
         super().__init__(runner, backlog=backlog)
@@ -139,6 +140,9 @@ class GuardedSite(web.BaseSite):
         self._handshakes_per_source = handshakes_per_source
         self.connections = connections
         """Its connections and their limits (shared with another site, or its own)."""
+        self.most_open = most_open
+        """At most this many of them open on this site at once (``None``: the shared limits
+        only)."""
         self._label = name
         self.handshaking: Counter[str] = Counter()
         """Handshakes in progress on this site, by client address."""
@@ -192,7 +196,9 @@ class GuardedSite(web.BaseSite):
     def _accept(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
-        if self._tls is not None and self.handshaking[source] >= self._handshakes_per_source:
+        if (self._tls is not None and self.handshaking[source] >= self._handshakes_per_source) or (
+            self.most_open is not None and len(self._live) >= self.most_open
+        ):
             reserved = None
         else:
             reserved = self.connections.take(source)

@@ -9,9 +9,12 @@ connection to the main port at once. Heartbeats are refused on the verdict port.
 
 from __future__ import annotations
 
+import select
+import socket
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from sdc_agent.reporter import Reporter, ReporterConfig
 from sdc_common.protocol import encode_report
 from sdc_harness.cluster import Cluster, OperatorProcess, free_port, post
 from sdc_harness.tls import issue, make_ca
+from sdc_operator.handlers import VERDICT_PORT_CONNECTIONS
 
 from .storm import (
     Contained,
@@ -207,3 +211,55 @@ def test_a_verdict_is_answered_while_heartbeats_saturate_the_main_port(
     assert answered["verdict port"] < 2.0, answered
     assert agents["verdict port"].verdict_connections == 1
     assert contained is not None, "not contained within 30 s"
+
+
+def test_a_full_verdict_port_sends_the_agent_to_the_main_port(
+    cluster: Cluster,
+    namespace: str,
+    start_operator: Callable[..., OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    """The verdict port holds at most 64 connections (``VERDICT_PORT_CONNECTIONS``): with
+    those held open by someone else (a tenant's idle connections), an agent's verdict
+    connection is reset, and the agent delivers its verdict on its kept connection to the
+    main port, which the held verdict port keeps from being read only half of the time."""
+    job, tokens = job_of(cluster, namespace, NODES)
+    op = start_operator(**STORM_SETTINGS, header_timeout_seconds="60")
+    parts = urllib.parse.urlsplit(op.verdict_url)
+    held: list[socket.socket] = []
+    try:
+        # idle connections, half a request line each, 8 more than the port holds: the
+        # port resets exactly the 8 (each read says so: a reset or the end)
+        for _ in range(VERDICT_PORT_CONNECTIONS + 8):
+            conn = socket.create_connection((parts.hostname, parts.port), timeout=5)
+            conn.sendall(b"POST /v1/rep")
+            held.append(conn)
+        reset: set[socket.socket] = set()
+        deadline = time.monotonic() + 10
+        while len(reset) < 8 and time.monotonic() < deadline:
+            readable, _, _ = select.select([c for c in held if c not in reset], [], [], 0.5)
+            for conn in readable:
+                try:
+                    if conn.recv(1) == b"":
+                        reset.add(conn)
+                except ConnectionResetError:
+                    reset.add(conn)
+        # (and no more within another half second)
+        readable, _, _ = select.select([c for c in held if c not in reset], [], [], 0.5)
+        assert (len(reset), len(readable)) == (8, 0), (len(reset), len(readable))
+        agent = _reporter(tmp_path, 1, tokens[1], op.url, op.verdict_url)
+        try:
+            agent.submit(heartbeat_reports(job)[1])
+            agent.submit(verdict(job, 1, 5, step=15, last_clean=10))
+            assert agent.flush(30), agent.counters()
+            counts = (agent.delivered, agent.refused, agent.verdict_connections)
+            off = agent._verdict_port_off_until
+        finally:
+            agent.close(timeout=1)
+    finally:
+        for conn in held:
+            conn.close()
+    # both delivered: the verdict's connection to the verdict port was reset, and it went
+    # on the kept connection to the main port (and so will everything for a minute)
+    assert counts == (2, 0, 1), counts
+    assert off > time.monotonic()
