@@ -54,6 +54,8 @@ STEPS = 200
 STEPS_PROPERTY = "steps_trained:"
 """What each test records (``tests/distributed/drills.py``'s ``trained``): a clean run's
 length as its ranks report it, by scenario."""
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+"""pytest in one process of its own (its CPU is counted), without xdist's workers."""
 GROUPS: dict[str, list[str]] = {
     "bf16": [
         "tests/distributed/test_bf16.py::test_bf16_noise_alone_names_nobody_and_keeps_verifying",
@@ -103,14 +105,7 @@ def run_group(name: str, tests: list[str]) -> dict[str, Any]:
         start = time.perf_counter()
         proc = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-p",
-                "no:xdist",
+                *PYTEST,
                 f"--junitxml={report}",  # xunit1 (pyproject.toml): steps_trained recorded
                 *tests,
             ],

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from bench.clean_runs import ROOT, _cpu, _reap, _subreaper
+from bench.clean_runs import PYTEST, ROOT, _cpu, _reap, _subreaper
 
 MARKERS = "not timing"
 """The parallel pass's selection (scripts/test.sh); the timing tests run one at a time."""
@@ -52,19 +52,7 @@ def run_file(test_file: str, markers: str) -> dict[str, Any]:
     cpu = _cpu()
     start = time.perf_counter()
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            "-m",
-            markers,
-            test_file,
-        ],
+        [*PYTEST, "-m", markers, test_file],
         cwd=ROOT,
         capture_output=True,
         text=True,
