@@ -123,10 +123,11 @@ def tensor_stats(tensor: torch.Tensor, scratch: torch.Tensor | None = None) -> t
     return _stats(tensor, absolute=False, scratch=scratch)
 
 
-def output_stats(tensor: torch.Tensor) -> torch.Tensor:
+def output_stats(tensor: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``[sum of absolute values, sum of squares]`` of a module's output in float64, on
-    its device, in chunks as :func:`tensor_stats`."""
-    return _stats(tensor, absolute=True)
+    its device, in chunks as :func:`tensor_stats` (with ``scratch`` the absolute values
+    are taken in it, in place: no second copy per chunk)."""
+    return _stats(tensor, absolute=True, scratch=scratch)
 
 
 def _stats(
@@ -150,7 +151,11 @@ def _stats(
             chunk.copy_(piece)
         else:
             chunk = piece.to(torch.float64)
-        out[0] += chunk.abs().sum() if absolute else chunk.sum()
+        if absolute and widen:
+            chunk.abs_()  # the scratch is ours; the squares are the same
+            out[0] += chunk.sum()
+        else:
+            out[0] += chunk.abs().sum() if absolute else chunk.sum()
         out[1] += torch.dot(chunk, chunk)
     return out
 
