@@ -239,10 +239,8 @@ class _OutputRecorder:
         self._handles: list[Any] = []
         self._stats: dict[int, torch.Tensor] = {}
         self._started = False
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
+        self.active = False
+        """Hooks in place (an attribute, not a property: read at every forward)."""
 
     def start(self) -> None:
         """Record the forward that begins now (what an earlier start recorded is lost)."""
@@ -250,12 +248,14 @@ class _OutputRecorder:
         self._stats = {}
         self._started = True
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        self.active = True
 
     def stop(self) -> None:
         """No more hooks; what was recorded is kept for :meth:`take`."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.active = False
 
     def reset(self) -> None:
         self.stop()
