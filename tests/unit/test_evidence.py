@@ -321,3 +321,24 @@ def test_the_output_kinds_alone_never_keep_the_audit_vouching() -> None:
     assert not model.blind
     model.go_blind(1, 1.0, "noise")
     assert model.blind and model.working == [2]
+
+
+def test_the_output_recorder_hooks_only_while_recording_and_changes_nothing() -> None:
+    from sdc_agent.audit import _OutputRecorder
+
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)  # called twice
+    x = torch.randn(2, 3)
+    plain = model(x)
+    recorder = _OutputRecorder([shared])
+    assert recorder.take() is None  # nothing started
+    with recorder.recording():
+        assert len(shared._forward_hooks) == 1
+        recorded = model(x)
+    assert not shared._forward_hooks and not recorder.active
+    assert torch.equal(recorded, plain)
+    first = shared(x)
+    both = output_stats(first) + output_stats(model[2](model[1](first)))
+    rows = recorder.take()
+    assert rows is not None and torch.equal(rows[0], both)
+    assert recorder.take() is None  # taken once
