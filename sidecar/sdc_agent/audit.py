@@ -238,7 +238,8 @@ class _OutputRecorder:
         self.modules = list(modules)
         self._handles: list[Any] = []
         self._stats: dict[int, torch.Tensor] = {}
-        self._started = False
+        self.started = False
+        """Recording began since the last :meth:`take` (or :meth:`reset`)."""
         self.active = False
         """Hooks in place (an attribute, not a property: read at every forward)."""
 
@@ -246,7 +247,7 @@ class _OutputRecorder:
         """Record the forward that begins now (what an earlier start recorded is lost)."""
         self.stop()
         self._stats = {}
-        self._started = True
+        self.started = True
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
         self.active = True
 
@@ -260,12 +261,12 @@ class _OutputRecorder:
     def reset(self) -> None:
         self.stop()
         self._stats = {}
-        self._started = False
+        self.started = False
 
     def take(self) -> torch.Tensor | None:
         """The statistics recorded since :meth:`start` (``[modules, 2]`` float64; zeros
         for a module not called), then reset; ``None`` if nothing was started."""
-        started = self._started
+        started = self.started
         stats = self._stats
         self.reset()
         if not started:
@@ -444,7 +445,8 @@ class ReplayAudit:
         if self._micro:
             self._count = self._micro
         self._drop_grad_hooks()
-        self._recorder.reset()
+        if self._recorder.started:  # an audited forward whose loss never came
+            self._recorder.reset()
         self._own_outputs = None
         index = self.audited
         self.audited = 0
