@@ -531,7 +531,7 @@ class ReplayAudit:
         self._captured = True
         # Its forward's outputs, as the replay records them: up to the loss, no backward
         # (which recomputes checkpointed regions).
-        self._own_outputs = self._recorder.take()
+        self._own_outputs = self._recorder.take() if self._recorder.started else None
         rng = self._rng if self._rng is not None else RngState.capture(self.device)
         if copy and self.due:
             batch = map_tensors(batch, lambda t: t.detach().clone())
