@@ -234,8 +234,9 @@ class _OutputRecorder:
     (:func:`~sdc_agent.evidence.output_tensor`) and change nothing. A module called
     several times in one forward adds up its calls."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], scratch: _Scratch | None = None) -> None:
         self.modules = list(modules)
+        self.scratch = scratch if scratch is not None else _Scratch()
         self._handles: list[Any] = []
         self._stats: dict[int, torch.Tensor] = {}
         self.started = False
@@ -291,7 +292,7 @@ class _OutputRecorder:
             if t is None:
                 return
             with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
-                stats = output_stats(t)
+                stats = output_stats(t, self.scratch.on(t.device))
             before = self._stats.get(i)
             self._stats[i] = stats if before is None else before + stats
 
@@ -353,7 +354,8 @@ class ReplayAudit:
         watched = output_modules(module)
         self.outputs = len(watched)
         """How many output kinds (the last kinds)."""
-        self._recorder = _OutputRecorder([m for _, m in watched])
+        self._scratch = _Scratch()
+        self._recorder = _OutputRecorder([m for _, m in watched], self._scratch)
         self._own_outputs: torch.Tensor | None = None
         self.kind_names = (
             LOSS,
@@ -392,7 +394,6 @@ class ReplayAudit:
         self._in_hook = False
         self._syncing_recorded = 0  # micro-batches recorded whose backward all-reduces
         self._passes = 0  # backward passes the comm hook saw this step
-        self._scratch = _Scratch()
         self._own = _Collector(fingerprinter, self._scratch)
         self._bucket0: list[tuple[torch.Tensor, int, int]] | None = None
         self._audits_due = 0  # audits begun so far: the position in the permutations

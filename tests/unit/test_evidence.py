@@ -265,6 +265,9 @@ def test_one_ulp_in_every_element_stands_far_above_one_ulp_in_one_percent() -> N
     assert 2e-3 < fault.kinds[-1].rel <= cap
     assert 0 < noise.kinds[-1].rel < 1e-4
     assert fault.kinds[-1].rel > 50 * noise.kinds[-1].rel
+    # The absolute values taken in place in the stats scratch: the same statistics.
+    big = torch.randn(700_001).to(torch.bfloat16)
+    assert torch.equal(output_stats(big), output_stats(big, stats_scratch(big.device)))
     # The plain sum cancels: it would not tell them apart.
     plain = [
         float(tensor_stats(t)[0]) for t in (x, _ulp_away_from_zero(x, everywhere, torch.ones(4096)))
