@@ -317,7 +317,7 @@ class Operator:
                     most_open=VERDICT_PORT_CONNECTIONS,
                 )
             )
-            site.busy = self.hold.busy
+            site.busy, site.overflowed = self.hold.busy, self.hold.overflowed
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
         self._every(API_SERVER_EVERY_SECONDS, self.api_server.refresh)
         await self.optin.start()

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import ssl
 import threading
+import time
 from asyncio import sslproto
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -152,6 +153,8 @@ class GuardedSite(web.BaseSite):
         self.busy: Callable[[bool], None] | None = None
         """Called (on this site's loop) with true when its first connection opens, false
         when its last one closes."""
+        self.overflowed: Callable[[], None] | None = None
+        """Called (on this site's loop) when a connection is reset for ``most_open``."""
         self.refused = 0
         """Connections reset as they were accepted: too many open, in all or from their
         address, or too many handshakes in progress from their address."""
@@ -196,8 +199,11 @@ class GuardedSite(web.BaseSite):
     def _accept(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
-        if (self._tls is not None and self.handshaking[source] >= self._handshakes_per_source) or (
-            self.most_open is not None and len(self._live) >= self.most_open
+        full = self.most_open is not None and len(self._live) >= self.most_open
+        if full and self.overflowed is not None:
+            self.overflowed()
+        if full or (
+            self._tls is not None and self.handshaking[source] >= self._handshakes_per_source
         ):
             reserved = None
         else:
@@ -337,7 +343,9 @@ class Hold:
     least ``gap`` seconds: the intake's main port is not read while the verdict port has a
     connection open, so the verdicts' thread does not share the process (the GIL) with a
     burst of heartbeats being read and shed; and no client of the verdict port can keep
-    the main port from being read for more than half of the time."""
+    the main port from being read for more than half of the time. Once the verdict port
+    is full (:meth:`overflowed`: its agents then send on the main port), the site is not
+    held for ``quiet`` seconds."""
 
     def __init__(
         self,
@@ -345,8 +353,11 @@ class Hold:
         loop: asyncio.AbstractEventLoop,
         most: float = 1.0,
         gap: float = 1.0,
+        quiet: float = 5.0,
     ) -> None:
         self._site, self._loop, self._most, self._gap = site, loop, most, gap
+        self._quiet = quiet
+        self._told = -1e9  # (monotonic) when overflowed() last told the loop
         self._wanted = False
         self._since: float | None = None  # held since (the loop's time)
         self._free_until = 0.0
@@ -357,6 +368,23 @@ class Hold:
     def busy(self, wanted: bool) -> None:
         """(Any thread.) Whether the site should be held now."""
         self._loop.call_soon_threadsafe(self._want, wanted)
+
+    def overflowed(self) -> None:
+        """(Any thread.) The verdict port refused a connection for being full: its agent
+        sends on the main port, which is read now and for ``quiet`` seconds (told at most
+        every tenth of ``quiet``: a storm's resets are many)."""
+        now = time.monotonic()
+        if now - self._told >= self._quiet / 10:
+            self._told = now
+            self._loop.call_soon_threadsafe(self._overflow)
+
+    def _overflow(self) -> None:
+        if self._since is not None:
+            self._release()
+        until = self._loop.time() + self._quiet
+        if until > self._free_until:
+            self._free_until = until
+            self._loop.call_at(until, self._apply)
 
     def _want(self, wanted: bool) -> None:
         self._wanted = wanted

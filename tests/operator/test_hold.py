@@ -66,3 +66,24 @@ def test_a_hold_ends_after_most_and_the_site_is_read_for_gap_before_the_next() -
         assert site.calls[3][0] is False
 
     asyncio.run(main())
+
+
+def test_not_held_for_quiet_after_the_verdict_port_overflowed() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        site = Site(loop)
+        hold = Hold(site, loop, most=30.0, gap=30.0, quiet=0.3)  # type: ignore[arg-type]
+        hold.busy(True)
+        await _until(lambda: len(site.calls) == 1)
+        began = loop.time()
+        hold.overflowed()  # its agents now send on the main port: read it
+        hold.overflowed()  # (told once)
+        await _until(lambda: len(site.calls) == 2)
+        assert site.calls[1][0] is False
+        # still busy: held again only once the quiet is over
+        await _until(lambda: len(site.calls) == 3)
+        assert site.calls[2][0] is True
+        assert site.calls[2][1] - began >= 0.3 - 1e-3
+        assert hold.holds == 2
+
+    asyncio.run(main())
