@@ -342,8 +342,10 @@ class Hold:
     from any thread, for at most ``most`` seconds at a time and then lets it go for at
     least ``gap`` seconds: the intake's main port is not read while the verdict port has a
     connection open, so the verdicts' thread does not share the process (the GIL) with a
-    burst of heartbeats being read and shed; and no client of the verdict port can keep
-    the main port from being read for more than half of the time. Once the verdict port
+    burst of heartbeats being read and shed. Every hold, however short, is followed by
+    ``gap`` seconds of reading (``gap >= most``): no client of the verdict port, not even
+    one that opens and closes connections in turn, keeps the main port from being read for
+    more than half of the time. Once the verdict port
     is full (:meth:`overflowed`: its agents then send on the main port), the site is not
     held for ``quiet`` seconds."""
 
@@ -401,15 +403,19 @@ class Hold:
             self._release()
 
     def _release(self) -> None:
+        """Let the site go, and read it for at least ``gap`` seconds before the next hold
+        (a hold ended early by its connection closing too)."""
         self._site.hold(False)
         self._since = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        until = self._loop.time() + self._gap
+        if until > self._free_until:
+            self._free_until = until
+            self._loop.call_at(until, self._apply)
 
     def _expire(self) -> None:
         self._timer = None
         if self._since is not None:
             self._release()
-            self._free_until = self._loop.time() + self._gap
-            self._loop.call_later(self._gap, self._apply)
