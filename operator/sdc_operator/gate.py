@@ -39,13 +39,15 @@ class InFlight:
             self.reports += 1
             return self.reports
 
-    def leave(self, lane: str | None) -> int:
-        """Count a report (of ``lane``, where it got one) out; the number left."""
+    def leave(self, lane: str | None, *, answered: bool = True) -> int:
+        """Count a report (of ``lane``, where it got one) out; the number left. A verdict
+        ``answered`` (it passed the checks) is when the last verdict was; a refused one
+        (an unauthenticated body saying it is a verdict) is not."""
         with self._lock:
             self.reports -= 1
             if lane is not None:
                 self.lanes[lane] -= 1
-                if lane == "verdict":
+                if lane == "verdict" and answered:
                     self.verdict_at = self._clock()
             return self.reports
 

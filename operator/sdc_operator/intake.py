@@ -309,7 +309,8 @@ class Intake:
                 response.force_close()  # the rest of the body is not worth reading
             return response
         finally:
-            self.metrics.in_flight.set(self.in_flight.leave(request.get(_LANE)))
+            left = self.in_flight.leave(request.get(_LANE), answered=request.get(_CHECKED, False))
+            self.metrics.in_flight.set(left)
         return web.json_response(body, status=status)
 
     # -- the checks, in order ---------------------------------------------------------------
@@ -368,6 +369,7 @@ class Intake:
             if request.get(_LANE) == "heartbeat":
                 self._shed_if_busy()
             report, ref, node, ignored = await self._check(identity, pod, raw)
+            request[_CHECKED] = True
         finally:
             self.gate.leave()
         status, body = await self._dispatch(report, ref, pod, node)
@@ -811,6 +813,10 @@ reporters' verdicts of the same audit arrive in that time, and containment (whic
 the answer) writes to the API server. At 2,048 nodes with 1 s, the heartbeats accepted after
 the verdict's answer delayed containment to 3.7 s (bench/operator_scale.py --production)."""
 _LANE = "sdc_lane"
+_CHECKED = "sdc_checked"
+"""Set on a request whose report passed every check (its pod's token, its job, the
+protocol): only such a verdict keeps heartbeats shed after it is answered (a body that
+merely says ``"kind": "verdict"`` sheds them only while it is in flight)."""
 REPORTS_CHECKED_AT_ONCE = 8
 """Reports whose checks (token, pod, job, attestation, parse) run at once. At 2,048 nodes
 every node's verdict was checked in the same turns of the event loop, and each of the

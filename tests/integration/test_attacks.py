@@ -304,6 +304,24 @@ def test_slow_clients_are_cut_off(
     assert_quiet(op)
 
 
+def test_a_verdict_refused_for_its_token_sheds_no_heartbeat(
+    cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
+) -> None:
+    """Heartbeats are shed for a few seconds after a verdict was answered (verdicts first),
+    but not after a body that only says it is a verdict: anyone who reaches the port could
+    otherwise keep every job's heartbeats shed with one bogus request every few seconds."""
+    from .flood import bogus_token
+
+    job = make_job(cluster, namespace)
+    op = start_operator()
+    status, answer, _ = post(op.url, encode_report(verdict(job, 0)), bogus_token())
+    assert status == 401, answer
+    token = cluster.token(namespace, job.pods[1])
+    status, answer, _ = post(op.url, heartbeat(job, 1), token)
+    assert status == 202, answer  # within the 5 s a real verdict sheds heartbeats for
+    assert_quiet(op)
+
+
 def test_every_refusal_is_json_and_logged_at_most_at_info(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
