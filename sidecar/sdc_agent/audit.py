@@ -274,8 +274,8 @@ class _OutputRecorder:
             return None
         device = next(iter(stats.values()), torch.zeros(0)).device
         zero = torch.zeros(2, dtype=torch.float64, device=device)
-        if not self.modules:
-            return zero.reshape(0, 2)
+        if not self.modules:  # a model whose parameters are all its root's own
+            return torch.zeros((0, 2), dtype=torch.float64, device=device)
         return torch.stack([stats.get(i, zero).to(device) for i in range(len(self.modules))])
 
     @contextlib.contextmanager

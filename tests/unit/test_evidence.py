@@ -345,3 +345,17 @@ def test_the_output_recorder_hooks_only_while_recording_and_changes_nothing() ->
     rows = recorder.take()
     assert rows is not None and torch.equal(rows[0], both)
     assert recorder.take() is None  # taken once
+
+
+def test_a_model_without_output_modules_records_an_empty_table() -> None:
+    """A bare ``nn.Linear`` as the model: its parameters are the root's own, so no module
+    below it is watched; a recorded forward gives no rows (and no error)."""
+    from sdc_agent.audit import _OutputRecorder
+
+    model = torch.nn.Linear(3, 3)
+    assert output_modules(model) == ()
+    recorder = _OutputRecorder([])
+    with recorder.recording():
+        model(torch.randn(2, 3))
+    rows = recorder.take()
+    assert rows is not None and rows.shape == (0, 2)
