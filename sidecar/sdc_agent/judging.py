@@ -22,6 +22,7 @@ thresholds. This module is pure (no collectives, no tensors): layouts other than
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -154,7 +155,7 @@ class NoiseModel:
         ``most`` kinds, the loss first, then the blind kinds, then the working kinds with
         the largest thresholds (in kind order within each)."""
         rows = [
-            (k.name, None if k.blind else k.largest, k.measured, k.blind is not None)
+            (k.name, None if k.blind else k.largest, _finite(k.measured), k.blind is not None)
             for k in self.kinds
         ]
         loss, rest = rows[:1], rows[1:]
@@ -287,3 +288,10 @@ def split_by_kind(
         if hit:
             out[k] = hit
     return out
+
+
+def _finite(noise: float) -> float:
+    """A measured noise as a heartbeat may carry it (the protocol takes finite numbers
+    only): a non-finite one (a kind gone blind on an infinite difference) is the largest
+    float, which says the same to a reader."""
+    return noise if math.isfinite(noise) else sys.float_info.max

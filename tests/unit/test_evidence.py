@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import struct
+import sys
 
 import torch
 
@@ -25,6 +27,13 @@ from sdc_agent.evidence import (
     tensor_stats,
 )
 from sdc_agent.judging import NoiseModel, split_by_kind
+from sdc_agent.protocol import (
+    HeartbeatReport,
+    ReplayKind,
+    ReporterIdentity,
+    encode_report,
+    parse_report,
+)
 
 
 def summary(loss: float, grads: list[torch.Tensor]) -> Summary:
@@ -285,6 +294,45 @@ def test_output_kinds_follow_the_gradient_kinds_and_compare_equal_where_unobserv
     assert c.grads_equal and c.grad_rel == 0.0  # the output kinds are not gradients
     unobserved = Summary(0, 1.0, ((1, 1),), ((1.0, 1.0),))
     assert compare(a, unobserved, [[0]], outputs=2).kinds[2:] == (KindDiff(True, 0.0),) * 2
+
+
+def test_a_nan_in_an_output_on_both_sides_is_no_evidence_and_never_reaches_a_heartbeat() -> None:
+    """A healthy module whose output holds NaN (masked positions a later torch.where
+    replaces) on both sides: its statistics cannot be told apart. Two NaNs created apart
+    (and a NaN of another sign or payload) compare equal; a NaN on one side only is
+    evidence. A kind gone blind on an infinite difference still reports a finite noise,
+    as the protocol demands (a non-finite one would have dropped every later heartbeat)."""
+    nan, other_nan = float("nan"), -struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+    out = output_stats(torch.tensor([1.0, float("nan")]))
+    a = Summary(1, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=((nan, nan), (2.0, 4.0)))
+    b = Summary(1, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=((other_nan, float("nan")), (2.0, 4.0)))
+    real = Summary(1, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=(tuple(out.tolist()), (2.0, 4.0)))
+    for x, y in ((a, b), (a, real), (real, a)):
+        assert compare(x, y, [[0]], outputs=2).kinds[2:] == (KindDiff(True, 0.0),) * 2
+    c = compare(a, b, [[0]], outputs=2)
+    names = ["loss", "gradients:0", "outputs:a", "outputs:b"]
+    model = NoiseModel(cap=7.8e-3, kind_names=names)
+    assert split_by_kind(model, {0: c, 1: c}, {0: 1, 1: 0}) == {}
+    one_side = Summary(1, 1.0, ((1, 1),), ((1.0, 1.0),), outputs=((3.0, 5.0), (2.0, 4.0)))
+    assert compare(a, one_side, [[0]], outputs=2).kinds[2] == KindDiff(False, math.inf)
+    model.go_blind(2, math.inf, "too many replays differ for one GPU")
+    rows = model.in_force(64)
+    assert rows[1] == ("outputs:a", None, sys.float_info.max, True)
+    assert all(math.isfinite(noise) for _, _, noise, _ in rows)
+    me = ReporterIdentity(rank=0, node="n", pod="p")
+    beat = HeartbeatReport(
+        reporter=me,
+        sent_at=1.0,
+        step=1,
+        last_clean_step=1,
+        bit_reproducible=True,
+        replay_dtype="float32",
+        replay_cap=7.8e-3,
+        replay_kinds=tuple(ReplayKind(*r) for r in rows),
+    )
+    parsed = parse_report(encode_report(beat))
+    assert isinstance(parsed, HeartbeatReport)
+    assert parsed.replay_kinds[1].noise == sys.float_info.max
 
 
 def test_the_tensor_that_is_a_modules_result() -> None:
