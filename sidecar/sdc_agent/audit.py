@@ -232,10 +232,22 @@ class _OutputRecorder:
     (:func:`~sdc_agent.evidence.output_modules`) that exist only while an audited forward
     runs (the owner's audited micro-batch, a replay, a rerun), read the module's output
     (:func:`~sdc_agent.evidence.output_tensor`) and change nothing. A module called
-    several times in one forward adds up its calls."""
+    several times in one forward adds up its calls.
 
-    def __init__(self, modules: Sequence[nn.Module], scratch: _Scratch | None = None) -> None:
+    Exactly one forward of ``root`` (the model the audit replays, below any DDP wrapper)
+    is recorded: a forward hook on it stops the recording when its first call since
+    :meth:`start` returns. The owner and the replay then see the same window: a second
+    forward in one loss function (R-Drop, SimCSE) or a logging forward under
+    ``no_grad`` before the loss is shown records nothing on either side."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        scratch: _Scratch | None = None,
+        root: nn.Module | None = None,
+    ) -> None:
         self.modules = list(modules)
+        self.root = root
         self.scratch = scratch if scratch is not None else _Scratch()
         self._handles: list[Any] = []
         self._stats: dict[int, torch.Tensor] = {}
@@ -250,7 +262,12 @@ class _OutputRecorder:
         self._stats = {}
         self.started = True
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        if self.root is not None:
+            self._handles.append(self.root.register_forward_hook(self._root_done))
         self.active = True
+
+    def _root_done(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self.stop()  # the recorded forward is over: later calls are not the replay's
 
     def stop(self) -> None:
         """No more hooks; what was recorded is kept for :meth:`take`."""
@@ -355,7 +372,7 @@ class ReplayAudit:
         self.outputs = len(watched)
         """How many output kinds (the last kinds)."""
         self._scratch = _Scratch()
-        self._recorder = _OutputRecorder([m for _, m in watched], self._scratch)
+        self._recorder = _OutputRecorder([m for _, m in watched], self._scratch, module)
         self._own_outputs: torch.Tensor | None = None
         self.kind_names = (
             LOSS,
@@ -488,8 +505,8 @@ class ReplayAudit:
     def forward_starts(self) -> None:
         """From the model's forward pre-hook: the RNG state the micro-batch starts from
         (the first's, and the audited one's), and on an audited step the output kinds'
-        hooks for the audited micro-batch's forward (until its loss is shown,
-        :meth:`micro_batch`)."""
+        hooks for the audited micro-batch's forward (until the model's forward returns,
+        taken when its loss is shown, :meth:`micro_batch`)."""
         if self._forwards == self.audited or self._rng is None:
             self._rng = RngState.capture(self.device)
         if self._due_if_replayable and self._forwards == self.audited:

@@ -395,6 +395,65 @@ def test_the_output_recorder_hooks_only_while_recording_and_changes_nothing() ->
     assert recorder.take() is None  # taken once
 
 
+def test_the_owner_and_the_replay_record_the_same_single_forward() -> None:
+    """The owner records from the wrapper's forward pre-hook (as ``forward_starts`` does
+    under DDP: the audited forward starts it, a later forward of the wrapper stops it),
+    the replay around the whole loss function; both stop when the model's first forward
+    returns. A logging forward under ``no_grad`` before the loss is shown (a custom loop,
+    one rank only), and a loss function with two forwards (R-Drop), leave the owner's
+    statistics equal to the replay's."""
+    from sdc_agent.audit import _OutputRecorder
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    watched = [m for _, m in output_modules(inner)]
+    assert len(watched) == 2
+
+    class Wrapper(torch.nn.Module):  # stands in for DDP: calls the model once
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)
+
+    ddp = Wrapper()
+    recorder = _OutputRecorder(watched, root=inner)
+    forwards = 0
+
+    def forward_starts(_m: torch.nn.Module, _a: object) -> None:
+        nonlocal forwards
+        if forwards == 0:
+            recorder.start()
+        elif recorder.active:
+            recorder.stop()
+        forwards += 1
+
+    ddp.register_forward_pre_hook(forward_starts)
+    x, sample = torch.randn(5, 3), torch.randn(7, 3)
+
+    def single(model: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return model(b).square().mean()
+
+    def r_drop(model: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return model(b).square().mean() + model(2 * b).abs().mean()
+
+    for loss_fn, logging in ((single, True), (r_drop, False)):
+        forwards = 0
+        loss_fn(ddp, x)
+        if logging:
+            with torch.no_grad():
+                inner(sample)  # rank 0 only, between the loss and before_backward
+        owner = recorder.take()
+        with recorder.recording():
+            loss_fn(inner, x)
+        replay = recorder.take()
+        assert owner is not None and replay is not None
+        assert torch.equal(owner, replay), loss_fn.__name__
+        assert torch.equal(owner[1], output_stats(inner(x)))
+        assert not inner._forward_hooks and not any(m._forward_hooks for m in watched)
+
+
 def test_a_model_without_output_modules_records_an_empty_table() -> None:
     """A bare ``nn.Linear`` as the model: its parameters are the root's own, so no module
     below it is watched; a recorded forward gives no rows (and no error)."""
