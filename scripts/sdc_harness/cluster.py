@@ -87,9 +87,20 @@ def controller_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on loopback that nobody listens on right now (each
+    socket is held until all are picked: one at a time, the kernel may hand out the same
+    port twice)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 class Fatal(AssertionError):
@@ -426,13 +437,11 @@ class OperatorProcess:
         """``module``: what ``python -m`` runs (a stand-in for another release's operator);
         ``settings``: ``HYPERPOD_SDC_<NAME>`` values (``dry_run="true"``)."""
         self.cluster = cluster
-        self.port = free_port()
+        self.port, self.verdict_port, self.admission_port, self.metrics_port = free_ports(4)
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         """The tenants' intake (``/v1/reports`` only)."""
-        self.verdict_port = free_port()
         self.verdict_url = f"{scheme}://127.0.0.1:{self.verdict_port}"
         """The intake's verdict listener (``/v1/reports``, every report but heartbeats)."""
-        self.admission_port, self.metrics_port = free_port(), free_port()
         self.admission_url = f"{scheme}://127.0.0.1:{self.admission_port}"
         """The admission webhook's listener (the API server's)."""
         self.metrics_url = f"{scheme}://127.0.0.1:{self.metrics_port}"

@@ -125,9 +125,11 @@ FLOOD = 8
 """Heartbeats per node in the flood of the main port (each on a new TLS connection)."""
 
 
-# timing: the verdict on the verdict port must be answered before a heartbeat sent to the
-# main port at the same moment (that heartbeat is the saturation's observable signal: on this
-# machine it waits about 1-3 s behind the flood, the verdict 0.05-0.3 s), and within 2 s
+# timing: the verdict on the verdict port must be answered within 2 s of the flood's release
+# (0.05-0.5 s in most runs here, 1.48 s in one fresh-clone CI) while the main port is
+# saturated (a heartbeat sent to it at the same moment is the saturation's observable signal:
+# answered 429, or 202 after 1-3 s). Whether the verdict port answers before the main port
+# does is printed, not asserted: in that CI run the probe's 429 came at 1.19 s, before it
 @pytest.mark.timing
 @pytest.mark.slow  # about 30 s: 96 nodes, 768 TLS connections at once
 def test_a_verdict_is_answered_while_heartbeats_saturate_the_main_port(
@@ -206,8 +208,9 @@ def test_a_verdict_is_answered_while_heartbeats_saturate_the_main_port(
         f"{contained and round(contained - released, 3)} s"
     )
     assert probe_s is not None
-    # the observable signal: the main port was saturated while the verdict was answered
-    assert answered["verdict port"] < probe_s, (answered, probe_s)
+    # the observable signal: the main port was saturated (a shed, or an answer that waited
+    # behind the flood) while the verdict was answered
+    assert probe.attempts[0][0] == "429" or probe_s > 0.5, probe.attempts
     assert answered["verdict port"] < 2.0, answered
     assert agents["verdict port"].verdict_connections == 1
     assert contained is not None, "not contained within 30 s"
