@@ -27,6 +27,7 @@ from .evidence import (
     Tolerance,
     attribute,
     compare,
+    compiled_module,
     compute_dtype,
     layer_groups,
     noise_cap,
@@ -368,7 +369,16 @@ class ReplayAudit:
         groups = layer_groups(names) if len(names) == len(self.params) else ()
         if not groups:
             groups = (("gradients", tuple(range(len(self.params)))),)
-        watched = output_modules(module)
+        compiled = compiled_module(module)
+        watched = () if compiled is not None else output_modules(module)
+        self.outputs_unavailable = (
+            None
+            if compiled is None
+            else f"the forward output kinds are unavailable: {compiled} is compiled by "
+            "torch.compile, which does not run module hooks added or removed after its "
+            "first compilation (the loss and gradient kinds keep watching)"
+        )
+        """Why this job has no output kinds, if it has none for a reason."""
         self.outputs = len(watched)
         """How many output kinds (the last kinds)."""
         self._scratch = _Scratch()
@@ -390,6 +400,8 @@ class ReplayAudit:
         )
         self.stats = ReplayStats()
         self.max_mismatches = storm_threshold(len(nodes))
+        if self.outputs_unavailable is not None and (every or probability):
+            warnings.warn(f"sdc_agent: {self.outputs_unavailable}", RuntimeWarning, stacklevel=3)
         missing = sorted(set(range(len(nodes))) - set(self.replayer_of))
         if missing and (every or probability):
             warnings.warn(

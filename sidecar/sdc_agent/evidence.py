@@ -30,6 +30,7 @@ noise.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +201,21 @@ def output_modules(module: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module]
         if any(p.requires_grad for p in m.parameters()):
             out.append((name, m))
     return tuple(out)
+
+
+def compiled_module(module: torch.nn.Module) -> str | None:
+    """The first module of ``module``'s tree that ``torch.compile`` compiled (an
+    ``OptimizedModule``, or a module compiled in place by ``Module.compile``), by name
+    (``"the model"`` for the root); ``None`` if none is. Dynamo does not guard on module
+    hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): hooks added after the
+    first compilation never run, and hooks present at it are baked into the graph, so
+    the output kinds cannot observe such a model's forward."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # no OptimizedModule without
+    optimized = getattr(eval_frame, "OptimizedModule", ())
+    for name, m in module.named_modules():
+        if isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None:
+            return name or "the model"
+    return None
 
 
 def stats_scratch(device: torch.device) -> torch.Tensor | None:

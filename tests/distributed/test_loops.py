@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import warnings
 from typing import Any
 
 import pytest
@@ -131,11 +132,15 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if loop.scheduler else None
         scaler = torch.amp.GradScaler("cpu", init_scale=loop.init_scale) if loop.scaler else None
         guard = None
+        warned: list[str] = []
         if loop.guarded:
             config = GuardConfig(
                 replay_every=loop.replay_every, weights_every=1, fingerprint_backend="eager"
             )
-            guard = Guard(ddp, optimizer, _loss, config, reporter=None, scaler=scaler)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                guard = Guard(ddp, optimizer, _loss, config, reporter=None, scaler=scaler)
+            warned = [str(w.message) for w in caught]
         if loop.fault is not None:
             import torch.nn.functional as F
 
@@ -173,7 +178,14 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
         digest = hashlib.sha256()
         for p in net.parameters():
             digest.update(p.detach().numpy().tobytes())
-        out.append({"verdicts": verdicts, "applied": applied, "weights": digest.hexdigest()})
+        out.append(
+            {
+                "verdicts": verdicts,
+                "applied": applied,
+                "weights": digest.hexdigest(),
+                "warned": warned,
+            }
+        )
         dist.barrier()
     return out
 
@@ -263,6 +275,9 @@ def test_clean_loop_raises_nothing_and_equals_plain_ddp(
     assert r["verdicts"] == []
     assert all(r["applied"]) and len(r["applied"]) == loop.steps
     assert len({x["weights"] for x in results[loop]}) == 1, "replicas differ"
+    # A compiled model runs no hook added after its compilation: no output kinds, said so.
+    unavailable = any("forward output kinds are unavailable" in w for w in r["warned"])
+    assert unavailable == loop.compile, r["warned"]
     if loop.form != "step":
         plain = results[dataclasses.replace(loop, guarded=False)]
         assert plain[0]["weights"] == r["weights"], "guarded training differs from plain DDP"

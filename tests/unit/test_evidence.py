@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+from typing import cast
 
 import torch
 
@@ -15,6 +16,7 @@ from sdc_agent.evidence import (
     Summary,
     Tolerance,
     compare,
+    compiled_module,
     compute_dtype,
     is_output_kind,
     layer_groups,
@@ -452,6 +454,36 @@ def test_the_owner_and_the_replay_record_the_same_single_forward() -> None:
         assert torch.equal(owner, replay), loss_fn.__name__
         assert torch.equal(owner[1], output_stats(inner(x)))
         assert not inner._forward_hooks and not any(m._forward_hooks for m in watched)
+
+
+def test_a_compiled_model_is_found_wherever_it_is_compiled() -> None:
+    """``torch.compile`` (torch 2.13: no guards on module hooks) runs no hook added after
+    its first compilation: the recorder sees nothing, on the owner and the replay alike
+    (zeros compared equal, as if bit for bit). So a compiled model has no output kinds
+    (``ReplayAudit.outputs_unavailable`` says why)."""
+    from sdc_agent.audit import _OutputRecorder
+
+    def net() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    plain = net()
+    assert compiled_module(plain) is None
+    whole = net()
+    compiled = cast(torch.nn.Module, torch.compile(whole, backend="eager"))
+    x = torch.randn(2, 3)
+    compiled(x)  # compiled without hooks: a later audit's hooks never run
+    recorder = _OutputRecorder([m for _, m in output_modules(whole)], root=whole)
+    with recorder.recording():
+        compiled(x)
+    rows = recorder.take()
+    assert rows is not None and not rows.any(), "the hooks ran: the check below is moot"
+    assert compiled_module(compiled) == "the model"
+    part = net()
+    part[2] = cast(torch.nn.Module, torch.compile(part[2], backend="eager"))
+    assert compiled_module(part) == "2"
+    in_place = net()
+    in_place[0].compile(backend="eager")
+    assert compiled_module(in_place) == "0"
 
 
 def test_a_model_without_output_modules_records_an_empty_table() -> None:
