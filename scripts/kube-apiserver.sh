@@ -75,8 +75,12 @@ build() {
     echo "$BIN"
 }
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_ports() {  # N distinct free ports on loopback (each socket held until all are picked)
+    python3 -c 'import socket, sys
+held = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in held:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in held))' "$1"
 }
 
 start() {
@@ -86,9 +90,7 @@ start() {
     mkdir -p "$dir"
     dir="$(cd "$dir" && pwd)"
     local etcd_port peer_port api_port token
-    etcd_port="$(free_port)"
-    peer_port="$(free_port)"
-    api_port="$(free_port)"
+    read -r etcd_port peer_port api_port <<<"$(free_ports 3)"
     token="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
     openssl genrsa -out "$dir/sa.key" 2048 2>/dev/null
     openssl rsa -in "$dir/sa.key" -pubout -out "$dir/sa.pub" 2>/dev/null
@@ -115,7 +117,12 @@ start() {
         sleep 0.5
     done
     curl -fsk -H "Authorization: Bearer $token" "$server/readyz" >/dev/null \
-        || { tail -n 30 "$dir/apiserver.log" >&2; log "the API server did not become ready"; exit 1; }
+        || {
+            tail -n 10 "$dir/etcd.log" >&2
+            tail -n 30 "$dir/apiserver.log" >&2
+            log "the API server did not become ready (etcd $etcd_port, peer $peer_port, API $api_port)"
+            exit 1
+        }
     cat >"$dir/kubeconfig" <<KUBECONFIG
 apiVersion: v1
 kind: Config
