@@ -354,6 +354,26 @@ def test_each_listener_has_its_own_port_service_and_network_policy() -> None:
         assert f"{name}.hyperpod-sdc.svc" in cert["spec"]["dnsNames"]
 
 
+def test_verdict_port_zero_leaves_no_verdict_listener_anywhere() -> None:
+    """``service.verdictPort: 0`` turns the verdict port off: the operator listens on none
+    (HYPERPOD_SDC_VERDICT_PORT=0), no Service or NetworkPolicy names it, and the webhook
+    tells the agents of none, so every report goes to the intake's port."""
+    values = {**ALL_ON, "service": {"verdictPort": 0}}
+    docs = render(values)
+    (deploy,) = by_kind(docs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["intake", "admission", "metrics"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HYPERPOD_SDC_VERDICT_PORT"] == "0"
+    assert "HYPERPOD_SDC_INJECT_VERDICT_URL" not in env
+    assert "HYPERPOD_SDC_INJECT_OPERATOR_URL" in env
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    assert [p["name"] for p in services["hyperpod-sdc"]["spec"]["ports"]] == ["intake"]
+    assert {port for _, port in ingress_pairs(docs)} == {"intake", "admission"}
+    with pytest.raises(Exception, match="verdictPort"):
+        render({"service": {"verdictPort": -1}})
+
+
 def test_the_creator_check_refuses_the_marker_from_anyone_but_a_trusted_creator() -> None:
     """The chart's ValidatingAdmissionPolicy (1.30+) and validating webhook (older API
     servers) state one rule: the policy's CEL, evaluated offline as the API server would,
