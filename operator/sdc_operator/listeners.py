@@ -21,8 +21,9 @@ Each listener bounds what its connections may cost before it spends anything on 
   admission listener's: the API server's own, which no per-source limit counts): other
   addresses together may hold ``max_connections - reserved``, so no number of them can
   shut the API server out;
-- its own TLS handshakes: one address may have at most ``handshakes_per_source`` in
-  progress, and a handshake not complete after ``handshake_seconds`` is closed;
+- its TLS handshakes: one address may have at most ``handshakes_per_source`` in progress
+  on the sites that share its :class:`Connections` (the intake's two ports together), and a
+  handshake not complete after ``handshake_seconds`` is closed;
 - a TLS read buffer of :data:`TLS_READ_BUFFER` bytes per connection, not asyncio's 256 KiB
   (CPython 3.11 and 3.12 allocate and zero one such buffer for every TLS connection).
 
@@ -85,18 +86,28 @@ class Connections:
         """Open connections from addresses :attr:`reserved_for` does not name."""
         self.peak = 0
         """The most connections that were open at once."""
+        self.handshaking: Counter[str] = Counter()
+        """TLS handshakes in progress, by client address, on every site counted here."""
 
-    def take(self, source: str) -> bool | None:
-        """Count a new connection from ``source``: whether it is one of the reserved
+    def take(self, source: str, handshakes_per_source: int | None = None) -> bool | None:
+        """Count a new connection from ``source``, and with ``handshakes_per_source`` its
+        TLS handshake (until :meth:`handshake_done`): whether it is one of the reserved
         addresses', or ``None`` (not counted) where a limit refuses it."""
         per_source = self.connections_per_source
         reserved = self.reserved > 0 and source in self.reserved_for()
         with self._lock:
-            if self.open >= self.max_connections or (
-                not reserved
-                and (
-                    self.open_unreserved >= self.max_connections - self.reserved
-                    or (per_source is not None and self.connected[source] >= per_source)
+            if (
+                self.open >= self.max_connections
+                or (
+                    handshakes_per_source is not None
+                    and self.handshaking[source] >= handshakes_per_source
+                )
+                or (
+                    not reserved
+                    and (
+                        self.open_unreserved >= self.max_connections - self.reserved
+                        or (per_source is not None and self.connected[source] >= per_source)
+                    )
                 )
             ):
                 return None
@@ -104,7 +115,15 @@ class Connections:
             self.open_unreserved += not reserved
             self.peak = max(self.peak, self.open)
             self.connected[source] += 1
+            if handshakes_per_source is not None:
+                self.handshaking[source] += 1
         return reserved
+
+    def handshake_done(self, source: str) -> None:
+        with self._lock:
+            self.handshaking[source] -= 1
+            if self.handshaking[source] <= 0:
+                del self.handshaking[source]
 
     def give_back(self, source: str, reserved: bool) -> None:
         with self._lock:
@@ -145,8 +164,6 @@ class GuardedSite(web.BaseSite):
         """At most this many of them open on this site at once (``None``: the shared limits
         only)."""
         self._label = name
-        self.handshaking: Counter[str] = Counter()
-        """Handshakes in progress on this site, by client address."""
         self._securing: set[_SSLProtocol] = set()
         self._live: set[_SSLProtocol | _Counted] = set()
         self._held = False
@@ -202,12 +219,8 @@ class GuardedSite(web.BaseSite):
         full = self.most_open is not None and len(self._live) >= self.most_open
         if full and self.overflowed is not None:
             self.overflowed()
-        if full or (
-            self._tls is not None and self.handshaking[source] >= self._handshakes_per_source
-        ):
-            reserved = None
-        else:
-            reserved = self.connections.take(source)
+        handshakes = self._handshakes_per_source if self._tls is not None else None
+        reserved = None if full else self.connections.take(source, handshakes)
         if reserved is None:
             self.refused += 1
             transport.abort()
@@ -221,7 +234,6 @@ class GuardedSite(web.BaseSite):
             app_protocol.connection_made(transport)
             self._opened(counted)
             return
-        self.handshaking[source] += 1
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         waiter.add_done_callback(lambda f: self._handshake_done(source, f))
@@ -244,9 +256,7 @@ class GuardedSite(web.BaseSite):
         self._opened(secured)
 
     def _handshake_done(self, source: str, waiter: asyncio.Future[Any]) -> None:
-        self.handshaking[source] -= 1
-        if self.handshaking[source] <= 0:
-            del self.handshaking[source]
+        self.connections.handshake_done(source)
         if not waiter.cancelled() and (exc := waiter.exception()) is not None:
             log.debug("%s: a TLS handshake from %s failed: %s", self._label, source, exc)
 
