@@ -215,6 +215,9 @@ class Intake:
         """The verdict listener's intake (:meth:`for_verdicts`): heartbeats are refused."""
         self.in_flight = InFlight()
         """Reports in flight, by lane (shared with :meth:`for_verdicts`'s intake)."""
+        # read when scraped: set from the two listeners' threads, the gauge could be left
+        # at a count one of them computed before the other's change
+        metrics.in_flight.set_function(lambda: self.in_flight.reports)
         self.gate = PriorityGate(REPORTS_CHECKED_AT_ONCE)
         """Reports whose checks run at once; verdicts wait ahead of anything else."""
         self._reads: dict[tuple[str, ...], asyncio.Future[dict[str, Any] | None]] = {}
@@ -293,7 +296,6 @@ class Intake:
             return _json(
                 503, "overloaded", "too many reports at once; try again", **{"Retry-After": "1"}
             )
-        self.metrics.in_flight.set(now)
         try:
             status, body = await self.accept(request)
         except Refusal as refusal:
@@ -309,8 +311,7 @@ class Intake:
                 response.force_close()  # the rest of the body is not worth reading
             return response
         finally:
-            left = self.in_flight.leave(request.get(_LANE), answered=request.get(_CHECKED, False))
-            self.metrics.in_flight.set(left)
+            self.in_flight.leave(request.get(_LANE), answered=request.get(_CHECKED, False))
         return web.json_response(body, status=status)
 
     # -- the checks, in order ---------------------------------------------------------------

@@ -122,3 +122,24 @@ def test_a_suspect_the_api_server_agrees_is_wrong_is_refused() -> None:
 def test_a_suspect_the_cache_resolves_costs_no_read() -> None:
     resolved, reads = _resolve(_pod("node-1", "Running", 5), None)
     assert [s.node for s in resolved] == ["node-1"] and reads == 0
+
+
+def test_the_in_flight_gauge_reads_both_listeners_count_when_scraped() -> None:
+    """The main port's intake and the verdict port's (two threads) share one count of the
+    reports in flight; the gauge is read from it when scraped, not set by whichever thread
+    set it last."""
+    metrics = Metrics()
+    settings = OperatorSettings.from_env({})
+    main = Intake(settings, None, None, None, None, None, metrics, None, None)  # type: ignore[arg-type]
+    verdicts = main.for_verdicts(None, None)  # type: ignore[arg-type]
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("hyperpod_sdc_reports_in_flight")
+
+    assert main.in_flight.enter(10) == 1
+    assert verdicts.in_flight.enter(10) == 2
+    assert gauge() == 2
+    main.in_flight.leave(None)
+    assert gauge() == 1
+    verdicts.in_flight.leave(None)
+    assert gauge() == 0
