@@ -20,6 +20,10 @@ over plain DDP (``any_comm_hook``, ``hook_and_check_pass``) and the Guard's ``ho
 the two kernels timed alone over a tensor the size of the gradients, with their share of
 the plain step (``mul_share_of_plain_step``, ``scale_and_check_share_of_plain_step``).
 
+``defaults_parts``: the defaults' overhead as the sum of their three checks', each measured
+alone in the same run, next to each part's floor (:func:`defaults_parts`): what the
+machine and the audit's design set, against the goal for the defaults.
+
 ``defaults_snapshots``: the defaults with the verified snapshot on (``snapshot_copies=2``:
 each time ``last_clean_step`` advances, once per audit interval at the defaults, each rank
 copies its slices of the state to host memory); ``snapshot_extra`` is its step time against
@@ -448,6 +452,51 @@ def _floor(times: dict[str, list[float]]) -> dict[str, Any]:
     return out
 
 
+def defaults_parts(summary: dict[str, Any], bound: dict[str, float]) -> dict[str, Any] | None:
+    """The defaults' overhead (means over plain DDP) as the sum of their checks', each from
+    its variant alone in this run, next to the floor each part has on this machine:
+
+    - ``hook_and_check``: ``nonfinite_only``; its floor the same arithmetic without the Guard
+      (``plain_hook_check``: a Python comm hook and check 1's one pass);
+    - ``audit``: ``replay_every_50_only`` over ``hook_only``; its floor 1/``replay_every``:
+      the audit recomputes one micro-batch's forward and backward (with one micro-batch a
+      step, about a step's compute) once per interval, on any hardware;
+    - ``weights``: ``weights_every_1_only`` over ``hook_only``, divided by ``weights_every``;
+      its floor reading the weights and Adam's two moments once (3 x ``sum_ms``, one pass
+      over the parameters' size) per interval.
+
+    ``None`` where a variant is missing."""
+    v = {name: got["overhead"] for name, got in summary["variants"].items()}
+    needed = ("nonfinite_only", "hook_only", "replay_every_50_only", "weights_every_1_only")
+    if "defaults" not in v or any(n not in v for n in needed):
+        return None
+    floor = summary.get("floor", {}).get("hook_and_check_pass", {}).get("mean")
+    if floor is None:
+        return None
+    config = GuardConfig()
+    audited_every = VARIANTS["replay_every_50_only"]["replay_every"]  # type: ignore[index]
+    hook = v["hook_only"]
+    parts = {
+        "hook_and_check": (v["nonfinite_only"], floor),
+        "audit": (
+            (v["replay_every_50_only"] - hook) * audited_every / config.replay_every,
+            1 / config.replay_every,
+        ),
+        "weights": (
+            (v["weights_every_1_only"] - hook) / config.weights_every,
+            3 * bound["sum_ms"] / summary["plain_step_ms"] / config.weights_every,
+        ),
+    }
+    out: dict[str, Any] = {
+        name: {"measured": round(measured, 4), "floor": round(least, 4)}
+        for name, (measured, least) in parts.items()
+    }
+    out["sum_of_parts"] = round(sum(m for m, _ in parts.values()), 4)
+    out["sum_of_floors"] = round(sum(f for _, f in parts.values()), 4)
+    out["defaults_measured"] = v["defaults"]
+    return out
+
+
 def _ratios(samples: list[float], base: list[float]) -> dict[str, float]:
     return {
         "mean": round(statistics.fmean(samples) / statistics.fmean(base) - 1, 4),
@@ -696,6 +745,7 @@ def main() -> None:
             bound[f"{kernel}_share_of_plain_step"] = round(
                 bound[f"{kernel}_ms"] / summary["plain_step_ms"], 4
             )
+        parts = defaults_parts(summary, bound)
         models[kind] = {
             "model": "GPT-2 (transformers, random weights)" if kind == "gpt2" else "MLP",
             "parameters": sum(p.numel() for p in net.parameters()),
@@ -703,6 +753,7 @@ def main() -> None:
             **({"gpt2": _gpt2_args(_gpt2_dims(args))} if kind == "gpt2" else {}),
             **summary,
             "bound": bound,
+            **({"defaults_parts": parts} if parts is not None else {}),
             **({"audit_memory": got["memory"]} if "memory" in got else {}),
             **({"snapshot_memory": got["snapshot_memory"]} if "snapshot_memory" in got else {}),
         }
