@@ -13,4 +13,7 @@ cd "$(dirname "$0")/.."
 # test: helm-python-sdk renders the chart's webhook configuration, which the demo registers
 scripts/bootstrap.sh agent,operator,test
 scripts/kube-apiserver.sh build >/dev/null  # the first time only: about 5.5 minutes, cached
+# the project's modules, and any the bootstrap did not compile, compiled once (not in each
+# of the demo's processes where the shell sets PYTHONDONTWRITEBYTECODE)
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python scripts/e2e_demo.py "$@"
