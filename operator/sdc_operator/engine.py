@@ -105,7 +105,11 @@ class IncidentEngine:
         self.effects = Effects(containment, caches, hyperpod)
         """The leader's writes (containment); :attr:`recorded`: every replica's records."""
         self.recorded = Effects(records, caches)
-        self.actions = Actions(containment, caches, settings, hyperpod, self.effects.emit)
+        # The actions' Events (job suspended, node quarantined, ...) are posted beside the
+        # containment, not in its path: each was one more API call, in turn, between the
+        # job's stop and the node's quarantine and the incident's Contained
+        # (docs/operator.md, "The engine's own thread").
+        self.actions = Actions(containment, caches, settings, hyperpod, self._emit_soon)
         self.leader = False
         """Whether this replica acts; set on any thread (:meth:`stop_acting` is the
         election's), read before each step of a reconcile."""
@@ -148,6 +152,13 @@ class IncidentEngine:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _emit_soon(
+        self, obj: dict[str, Any], reason: str, message: str, warning: bool
+    ) -> None:
+        """:meth:`.effects.Effects.emit` in the background: an Event is a courtesy, posted
+        once whenever it is posted (its name says which), so nothing waits for it."""
+        self._spawn(self.effects.emit(obj, reason, message, warning))
 
     # -- policy ----------------------------------------------------------------------------
 
@@ -1000,8 +1011,8 @@ class IncidentEngine:
         if agreed is not None and phase == "Contained":
             self.metrics.report_to_contained.observe(time.monotonic() - agreed)
         self.refresh_quarantined()
-        await self.effects.emit(written, phase, message, False)
         log.warning("incident %s/%s: %s", *key, message)
+        await self._emit_soon(written, phase, message, False)
 
     def refresh_quarantined(self) -> None:
         self.metrics.quarantined_nodes.set(len(self.actions.quarantined()))
