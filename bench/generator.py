@@ -44,9 +44,12 @@ def _serve(
     ca: Path | None,
     sources: list[str | None],
     verdict_urls: list[str | None],
+    nice: int = 0,
 ) -> None:
-    """One generator process: its agents, then commands from the coordinator until
-    ``close``."""
+    """One generator process: its agents (their threads at ``nice``), then commands from
+    the coordinator until ``close``."""
+    if nice:
+        os.nice(nice)  # before the agents' threads start: they inherit it
     agents = storm.agents(urls, tokens, directory, ca, sources, verdict_urls)
     pipe.send(("ready", os.getpid()))
     while True:
@@ -100,7 +103,9 @@ def _serve(
 class Generator:
     """``len(urls)`` agents (node ``i`` reports to ``urls[i]``, and its verdicts to
     ``verdict_urls[i]`` where given, with ``tokens[i]`` from ``sources[i]``) over
-    ``processes`` processes: node ``i`` lives in process ``i % processes``."""
+    ``processes`` processes: node ``i`` lives in process ``i % processes``. ``nice``: the
+    processes' niceness (19: the operator and the API server take the cores first, as
+    where the agents run on other machines)."""
 
     def __init__(
         self,
@@ -111,6 +116,7 @@ class Generator:
         sources: list[str | None],
         processes: int,
         verdict_urls: list[str | None] | None = None,
+        nice: int = 0,
     ) -> None:
         self.nodes = len(urls)
         verdict_urls = verdict_urls or [None] * self.nodes
@@ -131,6 +137,7 @@ class Generator:
                     ca,
                     [sources[i] for i in mine],
                     [verdict_urls[i] for i in mine],
+                    nice,
                 ),
                 daemon=True,
             )

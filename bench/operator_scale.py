@@ -246,6 +246,7 @@ def production(
     keep_logs: Path | None = None,
     trace: Path | None = None,
     old_agents: bool = False,
+    generator_nice: int = 0,
 ) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
@@ -258,7 +259,9 @@ def production(
     ``keep_logs``: the operators' logs are copied there. The agents send their verdicts
     to the operator's verdict port, as the chart's webhook tells them to; ``old_agents``:
     they know no verdict port (agents of releases before it), everything goes on their
-    kept connection to the main port."""
+    kept connection to the main port. ``generator_nice``: the generator's processes at
+    that niceness (19: the operator, the API server and etcd take the cores before the
+    agents, as where the agents run on other machines)."""
     from bench.generator import Generator
     from sdc_harness.tls import issue
 
@@ -326,13 +329,21 @@ def production(
             None if old_agents else alive[i % len(alive)].verdict_url for i in range(nodes)
         ]
         generator = Generator(
-            urls, tokens, tmp / f"tokens-{nodes}", ca_cert, sources, processes, verdict_urls
+            urls,
+            tokens,
+            tmp / f"tokens-{nodes}",
+            ca_cert,
+            sources,
+            processes,
+            verdict_urls,
+            nice=generator_nice,
         )
         try:
             result: dict[str, Any] = {
                 "nodes": nodes,
                 "replicas": replicas,
                 "generator_processes": generator.processes,
+                "generator_nice": generator_nice,
                 "setup_s": round(setup_s, 1),
                 "settings_raised": notes,
                 "agents": "old: no verdict port, every report on the main port"
@@ -510,6 +521,14 @@ def main() -> None:
         "every report goes on their kept connection to the intake's main port",
     )
     parser.add_argument(
+        "--generator-nice",
+        type=int,
+        default=0,
+        help="--production: the generator's processes at this niceness (19: the operator, "
+        "the API server and etcd get the cores before the agents, as where the agents run on "
+        "other machines; what the generator's CPU costs the figures)",
+    )
+    parser.add_argument(
         "--keep-logs",
         type=Path,
         default=None,
@@ -531,6 +550,7 @@ def main() -> None:
                         args.keep_logs,
                         args.trace,
                         args.old_agents,
+                        args.generator_nice,
                     )
                 )
                 print(json.dumps(runs[-1]), file=sys.stderr)
