@@ -157,8 +157,10 @@ class IncidentEngine:
         self, obj: dict[str, Any], reason: str, message: str, warning: bool
     ) -> None:
         """:meth:`.effects.Effects.emit` in the background: an Event is a courtesy, posted
-        once whenever it is posted (its name says which), so nothing waits for it."""
-        self._spawn(self.effects.emit(obj, reason, message, warning))
+        once whenever it is posted (its name says which), so nothing waits for it. It goes
+        on the records' pool: on the containment's, it would hold the connection the
+        containment's next call was about to reuse."""
+        self._spawn(self.recorded.emit(obj, reason, message, warning))
 
     # -- policy ----------------------------------------------------------------------------
 

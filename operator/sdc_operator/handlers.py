@@ -229,6 +229,9 @@ class Operator:
     async def start(self) -> None:
         s = self.settings
         self.lane.start()
+        # An incident's first calls find a connection to the API server open.
+        self.lane.call(self.engine_records.keep_warm)
+        self.lane.call(self.containment.keep_warm)
         while True:
             try:
                 self.key = await load_key(
