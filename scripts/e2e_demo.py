@@ -27,11 +27,11 @@ faulty GPU is played by the agent's fault injection, given to the processes on o
 the fault stays with the node, as a broken GPU would. The checkpoint volume is a
 ``hostPath`` every pod mounts in place (a shared volume). The runner is also the scheduler
 and kubelet of the operator's confirmation pod: it binds it to the node its affinity names
-and runs its command (``python -m sdc_agent.confirm BUNDLE``) as a process there, with the
-broken GPU still broken on the faulty node, and writes its exit code and termination
-message back. SageMaker is the loopback fake of the integration tests
-(scripts/sdc_harness/fake_sagemaker.py), which checks each call against botocore's model and
-counts them.
+and runs its command (``python -m sdc_agent.confirm BUNDLE``) as a process there (forked
+from the same process as the workers), with the broken GPU still broken on the faulty
+node, and writes its exit code and termination message back. SageMaker is the loopback
+fake of the integration tests (scripts/sdc_harness/fake_sagemaker.py), which checks each
+call against botocore's model and counts them.
 
 Two scenarios: a clean run (no incident, no node touched; its final weights are the
 reference), then the same job with the fault, under the remediation policy

@@ -31,6 +31,7 @@ from kubernetes import client
 
 from sdc_operator.confirmation import CONFIRMATION_LABEL
 
+from . import zygote
 from .cluster import ROOT, Cluster
 
 QUICK = ("--no-dcgmi", "--stress-size", "64")
@@ -169,7 +170,7 @@ class Started:
     pod: dict[str, Any]
     """As the API server stored it once bound."""
     node: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | zygote.Forked
     termination_log: Path
     started_at: str
     exit_code: int | None = None
@@ -182,10 +183,15 @@ def start(
     work: Path,
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
+    *,
+    fork: bool = False,
 ) -> Started:
     """Bind a confirmation pod to its node and start its container's command in ``work``
     (output in ``work/output.log``); ``env`` on top of the pod's (the emulated broken GPU),
-    ``args`` after the pod's."""
+    ``args`` after the pod's. ``fork``: forked from the process that imported torch once
+    (:mod:`sdc_harness.zygote`, as the demo's workers are: a warm container; about 2.5 s of
+    CPU less on the 2-core machine), with this process's ``sys.path``; else a fresh
+    ``python -m sdc_agent.confirm``."""
     node = pinned_node(pod)
     bind(cluster, pod, node)
     bound = read_pod(cluster, pod["metadata"]["namespace"], pod["metadata"]["name"])
@@ -209,23 +215,30 @@ def start(
             ],
         },
     )
-    with open(work / "output.log", "wb") as output:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sdc_agent.confirm", *pod_args, *args],
-            env={
-                "PATH": os.environ.get("PATH", ""),
-                "HOME": os.environ.get("HOME", str(work)),
-                # this checkout's agent, as the image would carry it
-                "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("sidecar", "common")),
-                "OMP_NUM_THREADS": "1",
-                **values,
-                **(env or {}),
-            },
-            cwd=work,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    command = [sys.executable, "-m", "sdc_agent.confirm", *pod_args, *args]
+    environment = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", str(work)),
+        # this checkout's agent, as the image would carry it
+        "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("sidecar", "common")),
+        "OMP_NUM_THREADS": zygote.THREADS,
+        **values,
+        **(env or {}),
+    }
+    (work / "output.log").write_bytes(b"")
+    proc: subprocess.Popen[bytes] | zygote.Forked
+    if fork:
+        proc = zygote.start(command, environment, work / "output.log", cwd=work)
+    else:
+        with open(work / "output.log", "wb") as output:
+            proc = subprocess.Popen(
+                command,
+                env=environment,
+                cwd=work,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
     return Started(bound, node, proc, log, now)
 
 

@@ -10,7 +10,7 @@ env, projected token, ConfigMap volumes), with what torchrun gives each worker, 
 forked from a process that imported torch once (:mod:`sdc_harness.zygote`). It stops
 the workers when the job is suspended (SIGTERM, SIGKILL after the grace period) and
 starts new pods when it is resumed. It is also the scheduler and kubelet of the
-operator's confirmation pods (:func:`sdc_harness.kubelet.start`).
+operator's confirmation pods (:func:`sdc_harness.kubelet.start`, forked as the workers).
 
 The job itself (its command, the env a worker or a confirmation pod gets on a given node:
 an emulated broken GPU) is the caller's.
@@ -18,6 +18,7 @@ an emulated broken GPU) is the caller's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ from kubernetes import client, config
 from sdc_operator.confirmation import CONFIRMATION_LABEL
 
 from . import kubelet, zygote
-from .cluster import Cluster, free_port
+from .cluster import Cluster
 
 TRAINING_OPERATOR = ("kubeflow", "training-operator")
 """The training operator's namespace and ServiceAccount."""
@@ -97,6 +98,17 @@ def _none(*_: Any) -> dict[str, str]:
     return {}
 
 
+def _signal(pid: int, signum: int) -> None:
+    """``signum`` to the worker's session (its process and any it started), or to the
+    worker alone where it has no session yet: a worker forked a moment ago may not have
+    called ``setsid()`` (the runner stops a start whose port was taken at once)."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(pid, signum)
+
+
 @dataclass
 class Runner:
     """Runs one PyTorchJob (see the module): ``replicas`` pods of ``ranks_per_pod``
@@ -148,7 +160,7 @@ class Runner:
         free = [n for n in self.nodes if schedulable(self.cluster.get_node(n))]
         if len(free) < self.replicas:
             raise RuntimeError(f"only {len(free)} schedulable nodes for {self.replicas} pods")
-        port = free_port()
+        port = zygote.listen_port()
         placement = []
         resume = None
         for index, (pod_name, node) in enumerate(zip(self.pods(), free, strict=False)):
@@ -165,13 +177,9 @@ class Runner:
                     "PATH": os.environ.get("PATH", ""),
                     "HOME": os.environ.get("HOME", str(self.work)),
                     "OMP_NUM_THREADS": "1",
-                    # what torchrun gives each worker
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(self.replicas * self.ranks_per_pod),
-                    "LOCAL_RANK": str(local),
-                    "LOCAL_WORLD_SIZE": str(self.ranks_per_pod),
+                    **zygote.torchrun_env(
+                        rank, self.replicas * self.ranks_per_pod, self.ranks_per_pod, port
+                    ),
                     **env,  # the container's env, as the API server stored the pod
                     **self.worker_env(node, rank, local),
                 }
@@ -225,25 +233,26 @@ class Runner:
         return kubelet.read_pod(self.cluster, self.namespace, name)
 
     def port_taken(self) -> bool:
-        """A worker failed because the port free_port() found was taken before rank 0's
-        store listened on it (on a busy machine another process can take it in between):
+        """A worker failed because the port listen_port() found was taken before rank 0's
+        store listened on it (rarer below the ephemeral range, but another process may still
+        ask for that port in between):
         the others would wait for that store until their own timeout."""
         return any(
             proc.poll() not in (None, 0) and b"EADDRINUSE" in log.read_bytes()
             for proc, log in zip(self.procs, self.logs, strict=True)
         )
 
-    def stop(self) -> None:
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
         """As the kubelet stops a pod: SIGTERM, then SIGKILL after the grace period."""
         for proc in self.procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
+                _signal(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs = []
         self.logs = []
@@ -285,7 +294,7 @@ class Runner:
         name = pod["metadata"]["name"]
         node = kubelet.pinned_node(pod)
         started = kubelet.start(
-            self.cluster, pod, self.work / "pods" / name, self.confirmation_env(node)
+            self.cluster, pod, self.work / "pods" / name, self.confirmation_env(node), fork=True
         )
         self.confirmations[name] = started
         (container,) = started.pod["spec"]["containers"]
@@ -301,6 +310,22 @@ class Runner:
         and their pod template is the job's current one. A suspension lifted again before
         this loop saw it still shows as a changed template (the resume step was set).
         """
+        try:
+            return self._run(timeout, watch)
+        except BaseException:
+            # Nobody waits for the workers any more: at the caller's exit multiprocessing
+            # would send its daemons SIGTERM and join them, and a worker still in the
+            # rendezvous never reaches the scripts' handler (the demo hung there).
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL every worker still running."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                _signal(proc.pid, signal.SIGKILL)
+
+    def _run(self, timeout: float, watch: Callable[[], None]) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             watch()
@@ -317,7 +342,9 @@ class Runner:
                 self.start(job)
             elif self.procs and self.port_taken():
                 # As torchrun's restart would: nothing ran yet, so this start never was.
-                self.stop()
+                # No grace period: the other ranks wait for the store in the rendezvous,
+                # where the scripts' SIGTERM handler (stop between steps) is never reached.
+                self.stop(grace=0)
                 self.placements.pop()
                 del self.wired_pods[-self.replicas :]
                 self.note("runner", "rank 0's port was taken (EADDRINUSE): starting again")
@@ -332,4 +359,5 @@ class Runner:
                 return True
             time.sleep(0.1)
         self.note("runner", f"gave up after {timeout:.0f} s")
+        self.kill()
         return False

@@ -1,6 +1,6 @@
 """Worker processes forked from a process that imported torch once (a zygote), instead of
-each ``python script.py`` importing it: the kubelet stand-in's way to start a pod's
-workers.
+each ``python script.py`` (or ``python -m module``) importing it: the kubelet stand-in's
+way to start a pod's workers, and the demo's confirmation pods.
 
 A worker is still a process of its own, in its own session, with exactly the env, argv,
 ``sys.path[0]`` and log the kubelet gives it; only the imports in :data:`PRELOAD` (about 4 s
@@ -14,15 +14,20 @@ when torch is imported): :func:`start` refuses another value.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import runpy
+import secrets
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-__all__ = ["PRELOAD", "Forked", "start"]
+__all__ = ["PRELOAD", "Forked", "listen_port", "run_world", "start", "torchrun_env"]
 
 PRELOAD = [
     "torch",
@@ -56,11 +61,16 @@ def _main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
     import torch  # preloaded: nothing to import here
 
     torch.set_num_threads(int(THREADS))
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path[0] = str(Path(script).resolve().parent)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":  # python -m MODULE ...: the directory first on the path
+            sys.argv = list(argv[1:])
+            sys.path[0] = cwd
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            sys.path[0] = str(Path(script).resolve().parent)
+            runpy.run_path(script, run_name="__main__")
     finally:
         # A forked process ends without the interpreter's exit handlers: run them (an
         # evidence bundle still being written is finished there, as at a normal exit).
@@ -89,12 +99,16 @@ class Forked:
         return self.returncode
 
 
-def start(command: list[str], env: dict[str, str], log: Path) -> Forked:
-    """``command`` (``[sys.executable, script, *args]``) as a worker forked from the fork
-    server, with ``env`` as its whole environment and its output appended to ``log``."""
-    if command[0] != sys.executable or not command[1].endswith(".py"):
+def start(command: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> Forked:
+    """``command`` (``[sys.executable, script, *args]`` or ``[sys.executable, "-m",
+    module, *args]``) as a worker forked from the fork server, with ``env`` as its whole
+    environment, its output appended to ``log``, in ``cwd`` (default: the caller's)."""
+    if command[0] != sys.executable or not (
+        command[1].endswith(".py") or (command[1] == "-m" and len(command) > 2)
+    ):
         raise ValueError(
-            f"zygote.start: command must be [sys.executable, script.py, ...]: {command}"
+            "zygote.start: command must be [sys.executable, script.py, ...] or "
+            f"[sys.executable, '-m', module, ...]: {command}"
         )
     if env.get("OMP_NUM_THREADS") != THREADS:
         raise ValueError(f"zygote.start: OMP_NUM_THREADS must be {THREADS} (the fork server's)")
@@ -105,6 +119,84 @@ def start(command: list[str], env: dict[str, str], log: Path) -> Forked:
     # '__main__' too: a forked child does not import the caller's main module again
     ctx.set_forkserver_preload(["__main__", *PRELOAD])
     # daemon: ended with the caller if it exits without stopping them (as its session would)
-    process = ctx.Process(target=_main, args=(command[1:], env, str(log), os.getcwd()), daemon=True)
+    process = ctx.Process(
+        target=_main, args=(command[1:], env, str(log), str(cwd or os.getcwd())), daemon=True
+    )
     process.start()
     return Forked(process)
+
+
+def listen_port() -> int:
+    """A TCP port on loopback that nobody listens on right now, below the kernel's
+    ephemeral range, for a port that is chosen here and bound only later by another
+    process (a job's ``MASTER_PORT``, bound by rank 0's store once that rank has
+    started). A port from ``bind(0)`` is an ephemeral one, which the kernel may hand to any
+    process's next connection or ``bind(0)`` in between: under load the demo's rank 0
+    found its port taken (EADDRINUSE) twice in one run. A port below the range is taken
+    only by someone who asks for it by number."""
+    low, _ = _ephemeral_range()
+    for _ in range(100 if low > 21000 else 0):
+        port = secrets.randbelow(low - 20000) + 20000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # nothing free below the range: an ephemeral one
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def torchrun_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
+    """What torchrun gives the worker of ``rank`` (rank 0's store on ``port``)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+    }
+
+
+def run_world(
+    command: list[str],
+    env: Callable[[int], dict[str, str]],
+    logs: Path,
+    world: int,
+    per_node: int,
+    port: int,
+    timeout: float = 240,
+) -> list[tuple[int | None, str]]:
+    """``command`` in ``world`` workers, as torchrun starts them with ``per_node`` per node
+    (:func:`torchrun_env`), each forked with ``env(rank)`` on top, its output in
+    ``logs/rank<r>.log``; waits up to ``timeout`` s for all. Each worker's exit code (None:
+    still running at the timeout, then killed) and output."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = [
+        start(
+            command,
+            {**env(rank), **torchrun_env(rank, world, per_node, port)},
+            logs / f"rank{rank}.log",
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.process.kill()
+    return [(p.returncode, (logs / f"rank{rank}.log").read_text()) for rank, p in enumerate(procs)]
