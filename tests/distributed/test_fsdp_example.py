@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sdc_agent.launch import free_port
 from sdc_harness import zygote
 
 # slow: two worlds of 6 and 4 processes started as a job starts them (25 s on 2 cores, loaded)
@@ -51,54 +49,47 @@ def job(
     thread, as under OMP_NUM_THREADS=1 (tests/distributed/test_zygote.py). A fresh interpreter's
     start-up under torchrun is tested for the README's examples
     (tests/distributed/test_quickstart.py), not for this one."""
-    world, port = nodes * per_node, free_port()
-    logs = result.with_suffix(".logs")
-    logs.mkdir()
-    procs = []
-    for rank in range(world):
-        env = {
+    world = nodes * per_node
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("run_example.py")),
+        str(ROOT / "examples" / "train_fsdp.py"),
+        "--layout",
+        "hsdp",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        str(EVERY),
+        "--result-file",
+        str(result),
+    ]
+
+    def env(rank: int) -> dict[str, str]:
+        return {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank % per_node),
-            "LOCAL_WORLD_SIZE": str(per_node),
             "NODE_NAME": f"node-{rank // per_node}",
             **CHECKS,
             **env_extra,
         }
-        command = [
-            sys.executable,
-            str(Path(__file__).with_name("run_example.py")),
-            str(ROOT / "examples" / "train_fsdp.py"),
-            "--layout",
-            "hsdp",
-            "--steps",
-            str(STEPS),
-            "--checkpoint-dir",
-            str(ckpt),
-            "--checkpoint-every",
-            str(EVERY),
-            "--result-file",
-            str(result),
-        ]
-        procs.append(zygote.start(command, env, logs / f"rank{rank}.log"))
-    codes: list[int | None] = []
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.process.kill()
-    outputs = [(logs / f"rank{rank}.log").read_text() for rank in range(world)]
+
+    ended = zygote.run_world(
+        command,
+        env,
+        result.with_suffix(".logs"),
+        world,
+        per_node,
+        zygote.listen_port(),
+        timeout=240,
+    )
+    codes = [code for code, _ in ended]
+    outputs = [out for _, out in ended]
     # A rank still running after 240 s fails with every rank's output (where it stopped).
     assert None not in codes, "ranks still running after 240 s: " + "".join(
         f"\n-- rank {r} ({'running' if c is None else f'exit {c}'}):\n{out[-3000:]}"
-        for r, (c, out) in enumerate(zip(codes, outputs, strict=True))
+        for r, (c, out) in enumerate(ended)
     )
     for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} exited {code}:\n{out}"
