@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here
+from sdc_harness.cluster import ROOT, Cluster, OperatorProcess, served_here, wait_for
 from tests.chart.test_chart import ALL_ON, render
 
 from .test_containment import NOT_RESUMED, incident_in, make_job, send, verdict
@@ -201,6 +201,22 @@ def test_operator_runs_under_the_charts_service_account(
         NOT_RESUMED,
     ]
     assert "Forbidden" not in op.log()
+
+    def kept_warm() -> bool:
+        """The engine's two pools asked ``/version`` (Kube.keep_warm) and were answered."""
+        answered = {
+            pool
+            for line in op.metrics().splitlines()
+            if line.startswith("hyperpod_sdc_api_requests_total{")
+            and 'resource="version"' in line
+            and 'code="200"' in line
+            and float(line.rsplit(" ", 1)[1]) > 0
+            for pool in ("engine", "containment")
+            if f'client="{pool}"' in line
+        }
+        return answered == {"engine", "containment"}
+
+    wait_for("the engine's pools kept warm under the chart's RBAC", kept_warm)
 
 
 @pytest.mark.parametrize("example", ["pytorchjob.yaml", "hyperpodpytorchjob.yaml"])
