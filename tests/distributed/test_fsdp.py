@@ -3,9 +3,12 @@ replicate 3 x shard 2), on real gloo process groups: 6 ranks on 3 emulated nodes
 
 Each layout runs every scenario in one spawn (a module-scoped world per layout). Ranks are
 consecutive on their node (``n0, n0, n1, n1, n2, n2``), so in HSDP each replica group is
-one node and the replicas of a shard are on three different nodes. The long clean runs train
-20 steps here (4 audit intervals, 5 rounds of the update check's 4 slices) and 200 in
-``bench/clean_runs.py``, which runs the same test at that length (results in bench/results).
+one node and the replicas of a shard are on three different nodes. The clean run with every
+check every step trains 6 steps (the update check's 4 slices and two more); the long clean
+runs train 10 steps here (2 audit intervals, every slice of the update check twice) and 200
+in ``bench/clean_runs.py``, which runs the same test at that length (results in
+bench/results). A clean run that names somebody or trains differently from its unguarded
+twin does so from its first audit on, which both lengths include.
 """
 
 from __future__ import annotations
@@ -22,23 +25,29 @@ from sdc_agent.launch import spawn_local
 
 from . import drills
 
-# slow: two worlds of six ranks (set-up 27 s HSDP, 59 s FSDP, loaded)
+# slow: two worlds of six ranks (set-up 27 s HSDP, 59 s FSDP, loaded, before the runs were cut)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 EVERY_STEP = {"weights_every": 1, "replay_every": 0, "fingerprint_backend": "eager"}
 AUDIT = {"weights_every": 1, "replay_every": 1, "fingerprint_backend": "eager"}
+# The clean run with every check every step: one round of the update check's 4 slices and
+# two more steps.
+CLEAN_STEPS = 6
 # The long clean runs: check 3 (HSDP) or the update check (FSDP) every step, an audit every
-# 5 steps (4 audits and 24 replay comparisons in the suite; 40 and 240 in the bench).
-LONG_STEPS = drills.clean_steps(20)
+# 5 steps (2 audits and 12 replay comparisons in the suite; 40 and 240 in the bench).
+LONG_STEPS = drills.clean_steps(10)
 LONG_REPLAY_EVERY = 5
 LONG = {"weights_every": 1, "replay_every": LONG_REPLAY_EVERY, "fingerprint_backend": "eager"}
 # A small relative error in a whole hidden layer's output (4.0001 instead of 4.0000).
 FORWARD_ERROR: dict[str, Any] = {"target": "3", "index": None}
-# Gradient accumulation, an audit every step: two cycles of audits over 3 micro-batches
-# (the first in order, the second shuffled), so every micro-batch is audited twice.
+# Gradient accumulation, an audit every step: the faulty runs train two cycles of audits
+# over 3 micro-batches (the first in order, the second shuffled), so every micro-batch is
+# audited twice, and every comparison but the suspect's is asserted bit for bit; the clean
+# run and its unguarded twin train the first cycle (every micro-batch audited once).
 MICRO = 3
 MICRO_STEPS = 2 * MICRO
+MICRO_CLEAN_STEPS = MICRO
 MICRO_START = MICRO + 1
 MARKED_SUSPECT = 3
 
@@ -52,8 +61,8 @@ def scenarios(layout: str) -> dict[str, Drill]:
         return Drill(layout=layout, **kw)
 
     out = {
-        "clean": drill(steps=12, config=AUDIT),
-        "plain": drill(steps=12, guarded=False),
+        "clean": drill(steps=CLEAN_STEPS, config=AUDIT),
+        "plain": drill(steps=CLEAN_STEPS, guarded=False),
         "long_clean": drill(steps=LONG_STEPS, config=LONG),
         "long_plain": drill(steps=LONG_STEPS, guarded=False),
     }
@@ -64,8 +73,9 @@ def scenarios(layout: str) -> dict[str, Drill]:
     for mode, sync in (("accumulation", False), ("accumulation_syncing", True)):
         micro = {"steps": MICRO_STEPS, "micro_batches": MICRO, "sync_micro_batches": sync}
         if not sync:
-            out[f"{mode}_clean"] = drill(**micro, config=AUDIT)
-            out[f"{mode}_plain"] = drill(**micro, guarded=False)
+            one_cycle = {**micro, "steps": MICRO_CLEAN_STEPS}
+            out[f"{mode}_clean"] = drill(**one_cycle, config=AUDIT)
+            out[f"{mode}_plain"] = drill(**one_cycle, guarded=False)
         out[f"{mode}_marked"] = drill(
             **micro, marked_fault=(MARKED_SUSPECT, MICRO_START, 1e-4), config=AUDIT
         )
@@ -107,17 +117,28 @@ def scenarios(layout: str) -> dict[str, Drill]:
             config={**EVERY_STEP, "update_slices": 1},
         ),
         "weights_persistent": drill(
-            steps=10,
+            steps=8,
             faults=(fault(1, 5, "weights", "relative", persistent=True),),
             config=EVERY_STEP,
         ),
+        # Corrupted at step 6, between the checks of steps 4 and 8.
         "weights_between_checks": drill(
-            steps=10,
+            steps=8,
             faults=(fault(5, 6, "weights", "relative"),),
             config={**EVERY_STEP, "weights_every": 4},
         ),
     }
+    if layout == "hsdp":
+        # HSDP has no update check (check 3 compares whole shards every step), so
+        # update_slices changes nothing there: this run would be weights_outside_the_slice
+        # bit for bit (see SAME_RUN).
+        del out["weights_whole_update"]
     return out
+
+
+# Scenarios that are the same run in a layout, by name -> the name of the run that stands
+# for them.
+SAME_RUN = {"hsdp": {"weights_whole_update": "weights_outside_the_slice"}, "fsdp": {}}
 
 
 # name -> (check, step, classification, suspects, transient); None: nothing is caught
@@ -159,7 +180,8 @@ EXPECTED: dict[str, dict[str, Expected]] = {
 @pytest.fixture(scope="module", params=["hsdp", "fsdp"])
 def world(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[DrillRank]]]:
     layout = request.param
-    return layout, drills.run_scenarios(NODES, scenarios(layout))
+    results = drills.run_scenarios(NODES, scenarios(layout))
+    return layout, results | {name: results[run] for name, run in SAME_RUN[layout].items()}
 
 
 def agreed(ranks: list[DrillRank]) -> DrillRank:
@@ -178,7 +200,7 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     world: tuple[str, dict[str, list[DrillRank]]],
 ) -> None:
     layout, results = world
-    for name, steps in (("clean", 12), ("accumulation_clean", MICRO_STEPS)):
+    for name, steps in (("clean", CLEAN_STEPS), ("accumulation_clean", MICRO_CLEAN_STEPS)):
         r = agreed(results[name])
         assert r.verdicts == [], name
         assert all(r.applied)
@@ -194,7 +216,7 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     # (With accumulation the guarded loop averages its losses in float32, the plain one
     # in Python floats: only the unaccumulated losses compare bit for bit.)
     assert results["clean"][0].losses == results["plain"][0].losses
-    assert agreed(results["clean"]).last_clean_step == list(range(1, 13))
+    assert agreed(results["clean"]).last_clean_step == list(range(1, CLEAN_STEPS + 1))
     # HSDP: the three replicas of each shard end alike; FSDP: every rank its own shard.
     shards = {r.final_fingerprint for r in results["clean"]}
     assert len(shards) == (2 if layout == "hsdp" else len(NODES))
@@ -203,7 +225,7 @@ def test_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
 def test_long_clean_runs_name_nobody_and_train_bitwise_like_plain_fsdp(
     world: tuple[str, dict[str, list[DrillRank]]], record_property: drills.RecordProperty
 ) -> None:
-    """20 steps here, 200 in bench/clean_runs.py (issue 26's length): the same assertions."""
+    """10 steps here, 200 in bench/clean_runs.py (issue 26's length): the same assertions."""
     layout, results = world
     r = agreed(results["long_clean"])
     drills.trained(record_property, f"{layout}_long_clean", r)
