@@ -1,7 +1,7 @@
 """The checks under FSDP2 (``fully_shard`` over one mesh dimension) and HSDP (a 2-D mesh,
 replicate 3 x shard 2), on real gloo process groups: 6 ranks on 3 emulated nodes.
 
-Each layout runs every scenario in one spawn (a module-scoped world per layout). Ranks are
+Each layout runs its scenarios in one spawn (a module-scoped world per layout). Ranks are
 consecutive on their node (``n0, n0, n1, n1, n2, n2``), so in HSDP each replica group is
 one node and the replicas of a shard are on three different nodes. The clean run with every
 check every step trains 6 steps (the update check's 4 slices and two more); the long clean
@@ -133,7 +133,18 @@ def scenarios(layout: str) -> dict[str, Drill]:
         # update_slices changes nothing there: this run would be weights_outside_the_slice
         # bit for bit (see SAME_RUN).
         del out["weights_whole_update"]
+    else:
+        for name in HSDP_ONLY:
+            del out[name]
     return out
+
+
+HSDP_ONLY = ("forward_persistent", "forward_transient")
+"""A forward fault caught by the replay, persistent or transient: the layouts' replay is
+one code path (FSDP2's unsharded parameters; the mesh has one dimension or two), so HSDP
+alone runs these. Under pure FSDP the replay still names a persistent forward fault
+(``accumulation_marked``, ``accumulation_syncing_marked``), and the suspect's own
+recomputation calls a one-step fault transient (``grad_local_nan``)."""
 
 
 # Scenarios that are the same run in a layout, by name -> the name of the run that stands
@@ -160,7 +171,7 @@ EXPECTED: dict[str, dict[str, Expected]] = {
         "weights_between_checks": ("weights", 8, "replica", (5,), None),
     },
     "fsdp": {
-        **COMMON,
+        **{name: want for name, want in COMMON.items() if name not in HSDP_ONLY},
         # The update check: a wrong update in the slice checked at its step is named there.
         "weights_bitflip": ("weights", 4, "rank", (2,), None),
         "optimizer_state_bitflip": ("weights", 4, "rank", (4,), None),
@@ -255,6 +266,8 @@ def test_fault_is_caught_at_its_step_and_rank(
     world: tuple[str, dict[str, list[DrillRank]]], name: str
 ) -> None:
     layout, results = world
+    if name not in EXPECTED[layout]:
+        pytest.skip(f"{name}: run under HSDP only (see HSDP_ONLY)")
     expected = EXPECTED[layout][name]
     r = agreed(results[name])
     if expected is None:
