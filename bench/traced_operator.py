@@ -44,6 +44,8 @@ TRACE: dict[str, list[Any]] = {
     "machine": [],
 }
 THREADS = ("MainThread", "verdict intake", "incident engine")
+_ELSEWHERE: list[asyncio.Task[None]] = []
+"""The lateness tasks on the verdict port's and the engine's loops."""
 
 
 def _machine() -> tuple[float, float, float]:
@@ -177,10 +179,19 @@ def _trace_loop() -> None:
         self._loops.append(loop.create_task(lateness()))
         for other in (self.lane, self.verdict_thread):
             if other.alive:
-                other.call(lambda o=other: o.loop.create_task(lateness()))
+                other.call(lambda o=other: _ELSEWHERE.append(o.loop.create_task(lateness())))
         threading.Thread(target=sample, name="trace sampler", daemon=True).start()
 
     handlers.Operator.start = started  # type: ignore[method-assign]
+    stop = handlers.Operator.stop
+
+    async def stopped(self: handlers.Operator) -> None:
+        # the lateness tasks on the other threads' loops end before those loops do
+        for task in _ELSEWHERE:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        await stop(self)
+
+    handlers.Operator.stop = stopped  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
