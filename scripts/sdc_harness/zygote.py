@@ -182,6 +182,8 @@ def run_world(
     ``logs/rank<r>.log``; waits up to ``timeout`` s for all. Each worker's exit code (None:
     still running at the timeout, then killed) and output."""
     logs.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):  # a worker that fails before it opens its log has one too
+        (logs / f"rank{rank}.log").write_bytes(b"")
     procs = [
         start(
             command,
