@@ -46,13 +46,15 @@ interval). Exit status 0 only if everything happened.
 
 ``--layout hsdp`` runs the same job as HSDP (``examples/train_fsdp.py --layout hsdp``:
 FSDP2 on a 2-D mesh, replicate 3 x shard 2, one replica per node, sharded DCP checkpoints,
-the verified snapshot of every replica's shards): detected, contained and resumed from the
-snapshot as above, finished with the state (weights and optimizer, by
-``sdc_agent.checkpoint.state_digest``) of the clean HSDP run. Not confirmed, not replaced:
-an evidence bundle written under FSDP2 cannot rebuild its model yet (an FSDP2 module cannot
-be deep-copied: the confirmation would end ``unknown``), so that variant runs the operator
-with ``confirmation`` off under the ``manual`` policy, and the node stays quarantined for a
-person to decide.
+the verified snapshot of every replica's shards), the same story at half the steps (30;
+audits every 5, a periodic checkpoint every 15, the fault from step 23 caught at step 25,
+resumed from step 20: an HSDP step costs about six times a DDP step's CPU here):
+detected, contained and resumed from the snapshot as above, finished with the state
+(weights and optimizer, by ``sdc_agent.checkpoint.state_digest``) of the clean HSDP run.
+Not confirmed, not replaced: an evidence bundle written under FSDP2 cannot rebuild its
+model yet (an FSDP2 module cannot be deep-copied: the confirmation would end ``unknown``),
+so that variant runs the operator with ``confirmation`` off under the ``manual`` policy,
+and the node stays quarantined for a person to decide.
 """
 
 from __future__ import annotations
@@ -80,10 +82,6 @@ PYTHON = sys.executable
 NAMESPACE = "ml"
 RANKS_PER_POD = 2
 REPLICAS = 3
-STEPS = 60
-INTERVAL = 10  # the replay audit and the weight check, every INTERVAL steps (replay_every)
-CHECKPOINT_EVERY = 30  # periodic checkpoints: longer than the audit interval, as in practice
-FAULT_STEP = 43  # caught by the audit of step 50; last clean step 40; periodic checkpoint 30
 FAULTY_NODE = 1  # the second node's second GPU (rank 3) returns 4.0001 for 4.0000
 CLUSTER = "demo-cluster"  # the HyperPod cluster (the nodes' sagemaker.amazonaws.com/cluster-name)
 
@@ -99,16 +97,28 @@ class Layout:
     """The remediation policy (the operator's setting and the SDCPolicy's)."""
     confirmation: bool
     """Whether the operator runs the confirmation pod (and the demo a second opinion)."""
+    steps: int
+    """The job's steps."""
+    interval: int
+    """The replay audit and the weight check, every ``interval`` steps (replay_every)."""
+    checkpoint_every: int
+    """Periodic checkpoints: longer than the audit interval, as in practice."""
+    fault_step: int
+    """The first step the broken GPU computes wrong."""
 
 
 LAYOUTS = {
-    "ddp": Layout("ddp", ("train.py",), "auto-replace-confirmed", True),
-    "hsdp": Layout("hsdp", ("train_fsdp.py", "--layout", "hsdp"), "manual", False),
+    # the fault from step 43 is caught by the audit of step 50; last clean step 40;
+    # periodic checkpoint 30
+    "ddp": Layout("ddp", ("train.py",), "auto-replace-confirmed", True, 60, 10, 30, 43),
+    # the same story at half the steps (the same four clean audits before the fault): an
+    # HSDP step costs about 38 ms of CPU per rank on CPU with gloo (FSDP2's and DTensor's
+    # Python; Adam on DTensors), a DDP step of examples/train.py about 6 ms (cProfile of
+    # each rank's main thread, 6 ranks forked); 65 steps fewer in the three runs
+    "hsdp": Layout("hsdp", ("train_fsdp.py", "--layout", "hsdp"), "manual", False, 30, 5, 15, 23),
 }
 SECOND_OPINION_LABEL = "demo.hyperpod-sdc.dev/second-opinion"
 AGENT_ENV = {
-    "HYPERPOD_SDC_REPLAY_EVERY": str(INTERVAL),
-    "HYPERPOD_SDC_WEIGHTS_EVERY": str(INTERVAL),
     # the verified snapshot of the last clean step, each slice kept on two nodes, written
     # as a checkpoint at the detection (examples/train.py turns it on by default too)
     "HYPERPOD_SDC_SNAPSHOT_COPIES": "2",
@@ -120,9 +130,18 @@ AGENT_ENV = {
 }
 
 
-def fault_spec(rank: int) -> str:
+def agent_env(layout: Layout) -> dict[str, str]:
+    interval = str(layout.interval)
+    return {
+        "HYPERPOD_SDC_REPLAY_EVERY": interval,
+        "HYPERPOD_SDC_WEIGHTS_EVERY": interval,
+        **AGENT_ENV,
+    }
+
+
+def fault_spec(rank: int, layout: Layout) -> str:
     return (
-        f"rank={rank},step={FAULT_STEP},site=forward,kind=relative,relative_error=2.5e-5,"
+        f"rank={rank},step={layout.fault_step},site=forward,kind=relative,relative_error=2.5e-5,"
         "persistent=true,target=0,index=all"
     )
 
@@ -173,19 +192,18 @@ class Operator(OperatorProcess):
         register_chart_webhooks(self.cluster, self.admission_url, self.ca)
 
 
-def faulty_gpu(faulty: str | None) -> tuple[Any, Any]:
+def faulty_gpu(faulty: str | None, layout: Layout) -> tuple[Any, Any]:
     """The env of a worker (node, rank, local rank) and of a confirmation pod (node): on
     the faulty node, its second GPU is broken, and stays broken."""
 
     def worker(node: str, rank: int, local: int) -> dict[str, str]:
         broken = node == faulty and local == 1
-        return {"HYPERPOD_SDC_FAULTS": fault_spec(rank)} if broken else {}
+        return {"HYPERPOD_SDC_FAULTS": fault_spec(rank, layout)} if broken else {}
 
     def confirmation(node: str) -> dict[str, str]:
         broken = node == faulty
-        return (
-            {"HYPERPOD_SDC_FAULTS": fault_spec(FAULTY_NODE * RANKS_PER_POD + 1)} if broken else {}
-        )
+        rank = FAULTY_NODE * RANKS_PER_POD + 1
+        return {"HYPERPOD_SDC_FAULTS": fault_spec(rank, layout)} if broken else {}
 
     return worker, confirmation
 
@@ -199,11 +217,11 @@ def admit_namespace(server: Cluster, layout: Layout) -> None:
     server.policy("demo", {"namespaces": [NAMESPACE], "remediationPolicy": layout.policy})
 
 
-def create_job(server: Cluster, name: str, checkpoints: Path) -> None:
+def create_job(server: Cluster, name: str, checkpoints: Path, layout: Layout) -> None:
     container = {
         "name": "pytorch",
         "image": "local/train",
-        "env": [{"name": k, "value": v} for k, v in AGENT_ENV.items()],
+        "env": [{"name": k, "value": v} for k, v in agent_env(layout).items()],
         # checkpoints, and evidence bundles next to them, on a volume every node mounts
         "volumeMounts": [{"name": "checkpoints", "mountPath": str(checkpoints)}],
     }
@@ -361,8 +379,8 @@ def scenario(
     layout: Layout,
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
-    create_job(server, name, work / "ckpt")
-    worker_env, confirmation_env = faulty_gpu(faulty)
+    create_job(server, name, work / "ckpt", layout)
+    worker_env, confirmation_env = faulty_gpu(faulty, layout)
     runner = Runner(
         server,
         trainer,
@@ -375,11 +393,11 @@ def scenario(
             str(ROOT / "examples" / layout.script[0]),
             *layout.script[1:],
             "--steps",
-            str(STEPS),
+            str(layout.steps),
             "--checkpoint-dir",
             str(work / "ckpt"),
             "--checkpoint-every",
-            str(CHECKPOINT_EVERY),
+            str(layout.checkpoint_every),
             "--result-file",
             str(work / "result.json"),
         ],
@@ -410,7 +428,8 @@ def scenario(
     if finished:
         runner.note(
             "finished",
-            f"step {STEPS} reached; final weights sha256 {result.get('sha256', '?')[:16]}...",
+            f"step {layout.steps} reached; final weights sha256 "
+            f"{result.get('sha256', '?')[:16]}...",
         )
     opinion: dict[str, Any] = {}
     if faulty is not None and layout.confirmation:
@@ -547,8 +566,9 @@ def check(
             f"of the last clean step {last_clean}"
         )
     lost = faulty["lost_work"]
-    if lost["steps"] is None or not 0 <= lost["steps"] <= INTERVAL:
-        problems.append(f"lost {lost['steps']} steps, not at most replay_every={INTERVAL}: {lost}")
+    interval = layout.interval
+    if lost["steps"] is None or not 0 <= lost["steps"] <= interval:
+        problems.append(f"lost {lost['steps']} steps, not at most replay_every={interval}: {lost}")
     if lost["resume_step"] is None or lost["resume_step"] <= lost["last_periodic_checkpoint"]:
         problems.append(f"resumed no later than the last periodic checkpoint: {lost}")
     recorded = lost.get("recorded")
@@ -665,11 +685,12 @@ def main() -> int:
             + ".\n"
         )
         shape = "" if layout.name == "ddp" else f", HSDP: replicate {REPLICAS} x shard 2"
-        say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks{shape}, {STEPS} steps")
+        say(f"1. Clean run: {REPLICAS} pods x {RANKS_PER_POD} ranks{shape}, {layout.steps} steps")
         clean = scenario(server, trainer, nodes, "clean-run", None, base / "clean", layout)
         say(
-            f"\n2. Same job, and from step {FAULT_STEP} GPU 1 of {nodes[FAULTY_NODE]} returns "
-            "4.0001 instead of 4.0000 (a relative error of 2.5e-5 in the first layer's output)"
+            f"\n2. Same job, and from step {layout.fault_step} GPU 1 of {nodes[FAULTY_NODE]} "
+            "returns 4.0001 instead of 4.0000 (a relative error of 2.5e-5 in the first layer's "
+            "output)"
         )
         faulty = scenario(
             server, trainer, nodes, "llama-demo", nodes[FAULTY_NODE], base / "faulty", layout
@@ -685,8 +706,9 @@ def main() -> int:
                 f"resumed from step {lost['resume_step']}"
                 + (f", {hours} GPU-hours" if hours is not None else "")
                 + f"; from {lost['source']}). The last periodic checkpoint (step "
-                f"{lost['last_periodic_checkpoint']}, every {CHECKPOINT_EVERY} steps) would have "
-                f"lost {lost['steps_from_periodic_checkpoint']}; the audit runs every {INTERVAL}."
+                f"{lost['last_periodic_checkpoint']}, every {layout.checkpoint_every} steps) would "
+                f"have lost {lost['steps_from_periodic_checkpoint']}; the audit runs every "
+                f"{layout.interval}."
             )
         second = faulty["second_opinion"]
         if layout.confirmation:
@@ -714,6 +736,7 @@ def main() -> int:
                 {
                     "problems": problems,
                     "layout": layout.name,
+                    "replay_every": layout.interval,
                     "wall_seconds": round(seconds, 1),
                     "nodes": nodes,
                     "instances": instances,

@@ -72,6 +72,7 @@ def test_corrupted_job_is_detected_contained_and_resumed_with_nothing_lost(tmp_p
             assert pod["metadata"]["labels"]["hyperpod-sdc.dev/attested"] == "true"
             assert "hyperpod-sdc.dev/attestation" not in annotations  # no v2 HMAC any more
 
+    assert demo["replay_every"] == 10
     status = check_contained_and_resumed(demo, stdout)
     # the node is quarantined at once; the stop waited for the snapshot's report
     assert [a["action"] for a in status["actions"]] == [
@@ -117,7 +118,8 @@ def test_the_hsdp_variant_is_detected_contained_and_resumed_from_its_snapshot(
     rebuild its model yet), so the node stays quarantined for a person."""
     stdout, demo = run_demo(tmp_path, "--layout", "hsdp")
     assert demo["layout"] == "hsdp"
-    assert "HSDP: replicate 3 x shard 2" in stdout
+    assert "HSDP: replicate 3 x shard 2, 30 steps" in stdout
+    assert demo["replay_every"] == 5
     status = check_contained_and_resumed(demo, stdout)
     assert [a["action"] for a in status["actions"]] == [
         "quarantine-node",
@@ -164,7 +166,8 @@ def check_contained_and_resumed(demo: dict[str, Any], stdout: str) -> dict[str, 
     assert {"key": "hyperpod-sdc.dev/suspect", "value": "true", "effect": "NoSchedule"} in taints
     # resumed on the spare node, from the verified snapshot of the last clean step that the
     # healthy ranks wrote at the detection, not from the last periodic checkpoint: the work
-    # lost is at most one audit interval (replay_every 10, a periodic checkpoint every 30)
+    # lost is at most one audit interval (DDP: replay_every 10, a periodic checkpoint every
+    # 30; HSDP: 5 and 15)
     first, second = faulty["placements"]
     spare = demo["nodes"][3]
     assert bad in first and spare not in first and bad not in second and spare in second
@@ -185,7 +188,7 @@ def check_contained_and_resumed(demo: dict[str, Any], stdout: str) -> dict[str, 
             "snapshot": True,
         }
     ]
-    lost, replay_every = faulty["lost_work"], 10
+    lost, replay_every = faulty["lost_work"], demo["replay_every"]
     assert lost["detection_step"] == int(incident["spec"]["detectionStep"])
     assert lost["resume_step"] == last_clean
     assert lost["source"] == "status.lostWork"  # the operator records it
