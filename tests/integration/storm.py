@@ -79,7 +79,10 @@ def _send(
     context: ssl.SSLContext | None = None,
     source: str | None = None,
     retry_after: bool = False,
+    stop: threading.Event | None = None,
 ) -> None:
+    """One agent's report, tried until it is delivered or refused (or ``stop`` is set:
+    no attempt is begun after it)."""
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname and parts.port
     # the Reporter waits out a Retry-After for anything but a verdict
@@ -88,7 +91,8 @@ def _send(
     attempt = 0
     deadline = time.monotonic() + 120
     bind = (source, 0) if source else None
-    while time.monotonic() < deadline:
+    stop = stop or threading.Event()
+    while time.monotonic() < deadline and not stop.is_set():
         began = time.monotonic()
         outcome = ""
         told: str | None = None
@@ -129,7 +133,7 @@ def _send(
         wait = random.uniform(0, min(30.0, 0.5 * 2**attempt))
         if heeds and told is not None:
             wait = max(wait, min(float(told), 3600.0))
-        time.sleep(wait)
+        stop.wait(wait)
         attempt += 1
 
 

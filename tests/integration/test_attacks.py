@@ -175,16 +175,17 @@ def test_a_pod_that_never_ran_on_its_node_accuses_nobody(
     assert_quiet(op)
 
 
-# timing: 2 s header and body timeouts; the 50 slow clients must be closed within 15 s: 13 s
-# margin; a kept connection idle 3 s (past the header timeout) is answered, and closed once
-# idle past the 5 s idle timeout, by 13 s idle: 8 s margin
+# timing: 1 s header and body timeouts; the 50 slow clients must be closed within 6 s (5 s
+# margin), each trickling body answered 408 within 6 s (5 s margin); a kept connection idle
+# 1.5 s (0.5 s past the header timeout, 1.5 s short of the idle timeout) is answered, and
+# closed once idle past the 3 s idle timeout, by 11.5 s idle: 8.5 s margin
 @pytest.mark.timing
 def test_slow_clients_are_cut_off(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
 ) -> None:
     job = make_job(cluster, namespace)
     op = start_operator(
-        header_timeout_seconds="2", body_timeout_seconds="2", idle_timeout_seconds="5"
+        header_timeout_seconds="1", body_timeout_seconds="1", idle_timeout_seconds="3"
     )
     host, port = op.url.rsplit("/", 1)[-1].split(":")
     head = (
@@ -193,7 +194,7 @@ def test_slow_clients_are_cut_off(
     ).encode()
     # An agent's kept connection: idle longer than the header timeout between reports and
     # still answered on the same connection; idle past the idle timeout, closed. It runs
-    # beside the slow clients below (its 8 s of idling need not add to their time).
+    # beside the slow clients below (its 4.5 s of idling need not add to their time).
     token = cluster.token(namespace, job.pods[1])
     kept_result: list[str] = []
 
@@ -211,12 +212,12 @@ def test_slow_clients_are_cut_off(
                 kept_result.append("the operator closed the connection after its answer")
                 return
             first = first or kept.sock
-            time.sleep(3)
+            time.sleep(1.5)
         if statuses != [202, 202] or kept.sock is not first:
             kept_result.append(f"answers {statuses}, the same connection: {kept.sock is first}")
             return
         kept_result.append("answered twice")
-        # closed once idle 5 s: the operator's close ends the wait (it fails after 13 s idle)
+        # closed once idle 3 s: the operator's close ends the wait (it fails after 11.5 s idle)
         first.settimeout(10)
         try:
             closed = first.recv(1) == b""

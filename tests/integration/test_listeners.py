@@ -113,14 +113,18 @@ def test_tls_handshakes_are_timed_and_limited_per_source(
         handshakes_per_source="8",
     )
     trust = ssl.create_default_context(cafile=str(ca[1]))
-    for port in (op.port, op.admission_port, op.metrics_port):
-        # 20 connections from 127.0.0.2 that never send a ClientHello; meanwhile a client
-        # from 127.0.0.1 is served at once
-        waiting = IdleClients(port, 20, "127.0.0.2")
-        started = time.monotonic()
-        status, _ = ask(op.metrics_url, "/healthz", context=trust)
-        assert status == 200 and time.monotonic() - started < 1.0
-        closed = waiting.closed_after(10)
+    # 20 connections from 127.0.0.2 to each listener, all at once (each listener keeps its
+    # own count), that never send a ClientHello; meanwhile a client from 127.0.0.1 is
+    # served at once
+    waiting = {
+        port: IdleClients(port, 20, "127.0.0.2")
+        for port in (op.port, op.admission_port, op.metrics_port)
+    }
+    started = time.monotonic()
+    status, _ = ask(op.metrics_url, "/healthz", context=trust)
+    assert status == 200 and time.monotonic() - started < 1.0
+    for port, clients in waiting.items():
+        closed = clients.closed_after(10)
         assert len(closed) == 20, f"port {port}: {20 - len(closed)} still open after 10 s"
         # 12 over the limit of 8 closed at once, the 8 others when their handshake timed out
         assert closed[11] < 0.5, (port, closed)

@@ -263,10 +263,12 @@ def test_kueue_managed_job_is_resumed_through_its_workload(
     )
 
 
-SNAPSHOT_WAIT = 8.0
+SNAPSHOT_WAIT = 5.0
 """The stop's wait in the snapshot test: the snapshot's report is sent as soon as the wait
-is seen recorded (well within it on a loaded machine), and the other job's deadline passes
-while the operator is down."""
+is seen recorded (0.1 s after it here, loaded), and the other job's deadline, recorded by
+the operator that is killed, passes while the next one takes the Lease over or soon after
+(it leads 3 to 4 s after the kill). 8 s before: the test waited 3 s longer for that
+deadline."""
 
 
 def heartbeat(cluster: Cluster, op: OperatorProcess, job: Job, step: int, interval: float) -> None:
@@ -311,6 +313,8 @@ def condition(incident: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in incident["status"]["conditions"] if c["type"] == type_)
 
 
+# timing: job snap's snapshot reported within the 5 s wait (SNAPSHOT_WAIT) recorded for it:
+# 0.1 s after the wait is seen recorded here, 4.9 s margin
 @pytest.mark.timing
 def test_the_stop_waits_for_the_verified_snapshot_or_its_recorded_deadline(
     cluster: Cluster, namespace: str, start_operator: Callable[..., OperatorProcess]
