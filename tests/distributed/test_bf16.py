@@ -123,8 +123,13 @@ for seed in FORWARD_FAULT_SEEDS:
         **gpt2_forward,
     )
 # The GPT-2's forward noise at other seeds, no fault: 20 steps each (bench/fault_sweep.py's
-# clean runs), where healthy pairs differ above the bf16 cap at some audits.
-CLEAN_SEEDS = range(2, 9)
+# clean runs, seeds 2 to 8), where healthy pairs differ above the bf16 cap at some audits.
+# The seeds where the yes/no rule named a healthy rank within 20 steps (sdc_agent.replay.
+# strength forced to "strong": at step 15 at seed 2, at step 5 at seed 3, at step 20 at seed
+# 6; seeds 1, 4, 5, 7 and 8 named nobody in 40 steps under it). Seed 3's is step 5, before
+# the fault of gpt2_forward_rel1e-3_seed3 begins, whose test names nobody but the faulty
+# rank: that run guards it.
+CLEAN_SEEDS = (2, 6)
 for seed in CLEAN_SEEDS:
     SCENARIOS[f"gpt2_forward_clean_seed{seed}"] = Drill(steps=20, noise_seed=seed, **gpt2_forward)
 # Gradient accumulation: a fault that only the third micro-batch triggers, and no fault.
@@ -259,9 +264,10 @@ def test_noise_that_reaches_past_the_cap_names_no_healthy_rank_at_any_seed(
 ) -> None:
     """Under the GPT-2's forward noise a third node's replay can 'agree' with one side of a
     healthy pair and 'disagree' with the other at just past the cap: by yes/no agreement
-    that named a healthy rank at seeds 2, 3 and 6. Judged by how far it is from each side
-    (sdc_agent.replay.strength), with weak separations named only when the re-audit
-    repeats them on the same rank alone, nobody is named."""
+    that named a healthy rank at seeds 2, 3 and 6 (seed 3's run is the fault run's first
+    ten steps). Judged by how far it is from each side (sdc_agent.replay.strength), with
+    weak separations named only when the re-audit repeats them on the same rank alone,
+    nobody is named."""
     r = agreed(results[f"gpt2_forward_clean_seed{seed}"])
     assert accusations(r) == [], [v["message"] for v in r.verdicts]
     assert all(r.applied)
