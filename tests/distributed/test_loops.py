@@ -46,6 +46,10 @@ class Loop:
 
 class _State:
     step = 0
+    step_tensor: Any = None
+    """The step as a tensor, filled in place: what the ``error`` fault reads, so that a
+    compiled module traces it once, not once per step (dynamo guards on a Python int's
+    value: every new step recompiled, to the cache limit)."""
 
 
 def _patch_gelu(rank: int, kind: str) -> None:
@@ -60,20 +64,28 @@ def _patch_gelu(rank: int, kind: str) -> None:
 
     def gelu(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = original(x, *args, **kwargs)
-        if dist.get_rank() != rank or _State.step < FAULT_STEP:
+        if dist.get_rank() != rank:
             return y
         if kind == "error":
             wrong = (y.float() * (1 + 2.5e-5)).to(y.dtype)
             # In float16 the error can round back: move such elements by one ulp instead.
             bits = wrong.view(torch.int16 if y.element_size() == 2 else torch.int32)
             wrong = (bits + (wrong == y).to(bits.dtype)).view(y.dtype)
-            return y + (wrong - y).detach()  # gradients pass as through the right GELU
-        if not fired:
-            fired.append(True)
-            nan = torch.zeros_like(y)
-            nan.view(-1)[0] = float("nan")
-            return y + nan
-        return y
+            # Before FAULT_STEP, y + -0.0: every element as it is, bit for bit.
+            delta = torch.where(_State.step_tensor >= FAULT_STEP, wrong - y, -0.0)
+            return y + delta.detach()  # gradients pass as through the right GELU
+        return nan_once(y)
+
+    # Run as Python, not traced: a compiled module would guard on the step and on
+    # ``fired`` and recompile as they change.
+    @torch.compiler.disable
+    def nan_once(y: torch.Tensor) -> torch.Tensor:
+        if _State.step < FAULT_STEP or fired:
+            return y
+        fired.append(True)
+        nan = torch.zeros_like(y)
+        nan.view(-1)[0] = float("nan")
+        return y + nan
 
     F.gelu = gelu  # type: ignore[assignment]
 
@@ -123,6 +135,7 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
     out = []
     for loop in loops:
         _State.step = 0
+        _State.step_tensor = torch.zeros((), dtype=torch.int64)
         torch.manual_seed(0)
         net = _model(loop)
         inner = torch.compile(net, backend="aot_eager") if loop.compile else net
@@ -151,6 +164,7 @@ def _worker(rank: int, world: int, loops: list[Loop]) -> list[dict[str, Any]]:
         try:
             for step in range(1, loop.steps + 1):
                 _State.step = step
+                _State.step_tensor.fill_(step)
                 g = torch.Generator().manual_seed(step * 31 + rank)
                 micro = [
                     (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
