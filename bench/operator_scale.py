@@ -247,6 +247,8 @@ def production(
     trace: Path | None = None,
     old_agents: bool = False,
     generator_nice: int = 0,
+    cluster: Cluster | None = None,
+    pause_s: float = 6.0,
 ) -> dict[str, Any]:
     """One size in the chart's configuration: TLS with an ECDSA P-256 certificate, the
     chart's settings, one real Reporter per node from its own loopback address, keeping its
@@ -261,7 +263,11 @@ def production(
     they know no verdict port (agents of releases before it), everything goes on their
     kept connection to the main port. ``generator_nice``: the generator's processes at
     that niceness (19: the operator, the API server and etcd take the cores before the
-    agents, as where the agents run on other machines)."""
+    agents, as where the agents run on other machines). ``cluster``: an API server
+    already started (the suite's), in a namespace of its own, instead of one started (and
+    stopped) here. ``pause_s``: the operator's quiet after the warm-up and after each storm
+    (the verdicts' 5 s shedding over before the next storm's figures are taken); the suite,
+    which checks deliveries and containment, not their times, passes 0."""
     from bench.generator import Generator
     from sdc_harness.tls import issue
 
@@ -275,7 +281,8 @@ def production(
         check=True, capture_output=True,
     )  # fmt: skip
     key, cert = issue(directory, (ca_key, ca_cert), "tls", algorithm="ec")
-    cluster = Cluster(tmp / f"apiserver-{nodes}")
+    own = cluster is None
+    cluster = cluster or Cluster(tmp / f"apiserver-{nodes}")
     try:
         namespace = cluster.namespace()
         made = time.monotonic()
@@ -371,7 +378,7 @@ def production(
                     "the leader was stopped (SIGTERM) before the warm-up; every agent "
                     "reports to the survivor"
                 )
-            time.sleep(6)  # the operator's quiet after the burst
+            time.sleep(pause_s)  # the operator's quiet after the burst
             for label, reporters, suspect, step in (
                 ("elected_with_heartbeats", storm.elected(nodes, nodes // 3), nodes // 3, 115),
                 ("every_node_with_heartbeats", list(range(nodes)), (2 * nodes) // 3, 215),
@@ -419,7 +426,7 @@ def production(
                     "released_at_unix": round(wall, 3),
                 }
                 result[label] = got
-                time.sleep(6)
+                time.sleep(pause_s)
             result["operator_peak_rss_mb"] = [
                 round(storm.rss_peak_mb(op.proc.pid), 1) for op in alive
             ]
@@ -442,7 +449,8 @@ def production(
                     shutil.copy(op.log_path, keep_logs / op.log_path.name)
         return result
     finally:
-        cluster.stop()
+        if own:
+            cluster.stop()
 
 
 def _logged_at(log: str, namespace: str, name: str) -> dict[str, list[float]]:
