@@ -38,7 +38,7 @@ from sdc_operator.attestation import (
     sign,
 )
 
-from . import operator_zygote
+from . import operator_zygote, tls
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).resolve().parent / "crds"
@@ -744,15 +744,15 @@ def post_split(
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
-    """(key, certificate) for the operator's HTTPS intake on 127.0.0.1."""
+    """(key, certificate) for the operator's HTTPS intake on 127.0.0.1, an ECDSA P-256
+    key as the chart's (:mod:`sdc_harness.tls`)."""
     key, cert = directory / "tls.key", directory / "tls.crt"
     subprocess.run(
         [
             "openssl",
             "req",
             "-x509",
-            "-newkey",
-            "rsa:2048",
+            *tls.new_key("ec"),
             "-nodes",
             "-days",
             "1",

@@ -139,7 +139,7 @@ def test_a_verdict_is_answered_while_heartbeats_saturate_the_main_port(
     tmp_path: Path,
 ) -> None:
     ca = make_ca(tmp_path)
-    key, cert = issue(tmp_path, ca, algorithm="ec")
+    key, cert = issue(tmp_path, ca)
     trust = ssl.create_default_context(cafile=str(ca[1]))
     job, tokens = job_of(cluster, namespace, 96)
     op = start_operator(

@@ -436,7 +436,9 @@ def test_with_the_operator_down_pods_are_still_created_and_reported_unguarded(
     start_operator: Callable[..., OperatorProcess],
 ) -> None:
     admit(cluster, namespace)
-    s = setup()
+    # a 2 s Lease: the operator started after the kill leads, and sweeps the job's pods,
+    # within 3 s of it (9 s with the default 8 s Lease)
+    s = setup(lease_seconds="2")
     job = make_job(cluster, namespace)
     s.op.kill()
     started = time.monotonic()
@@ -451,6 +453,7 @@ def test_with_the_operator_down_pods_are_still_created_and_reported_unguarded(
         tls_ca_file=str(s.certs / "published-ca.crt"),
         inject_operator_url=POD_URL,
         job_sweep_seconds="1",
+        lease_seconds="2",
     )
     event = wait_for(
         "the SDCPodsUnguarded Event",
