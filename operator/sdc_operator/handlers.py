@@ -271,7 +271,11 @@ class Operator:
             self.key,
             self.lookups,
         )
-        self.intake.ready = self.caches.synced
+        # Ready once every listener listens (the verdict port starts last, on its own
+        # thread) and the caches are synced: a pod marked ready before its verdict port
+        # listened sent the agents' first verdicts to the main port.
+        listening = asyncio.Event()
+        self.intake.ready = lambda: listening.is_set() and self.caches.synced()
         self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
         # One listener per audience (.listeners): the tenants reach only the intake.
         admission = web.Application(
@@ -321,6 +325,7 @@ class Operator:
                 )
             )
             site.busy, site.overflowed = self.hold.busy, self.hold.overflowed
+        listening.set()
         self._loops.append(asyncio.get_running_loop().create_task(self._elect_when_synced()))
         self._every(API_SERVER_EVERY_SECONDS, self.api_server.refresh)
         await self.optin.start()
