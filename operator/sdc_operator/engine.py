@@ -1071,6 +1071,9 @@ class IncidentEngine:
             )
             if task is not None and task.get_loop() is here
         ]
+        events = sum(1 for t in self._background if t.get_loop() is here and not t.done())
+        if events:
+            log.info("stopping: %d Event(s) not posted (each is posted once or not at all)", events)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

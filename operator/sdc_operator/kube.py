@@ -262,6 +262,8 @@ class Kube:
                 await self.request("GET", "/version", resource="version")
             except ApiError as exc:
                 log.debug("%s: keeping a connection warm: %s", self.name, exc)
+            except Exception:  # the asks go on: a courtesy never ends the pool's warmth
+                log.warning("%s: keeping a connection warm failed", self.name, exc_info=True)
             await asyncio.sleep(every)
 
     async def close(self) -> None:

@@ -128,7 +128,8 @@ for seed in FORWARD_FAULT_SEEDS:
 # strength forced to "strong": at step 15 at seed 2, at step 5 at seed 3, at step 20 at seed
 # 6; seeds 1, 4, 5, 7 and 8 named nobody in 40 steps under it). Seed 3's is step 5, before
 # the fault of gpt2_forward_rel1e-3_seed3 begins, whose test names nobody but the faulty
-# rank: that run guards it.
+# rank: that run guards it. These seeds were found on this machine's kernels: elsewhere
+# other seeds may be the ones that misfire, so bench/fault_sweep.py keeps seeds 2 to 8.
 CLEAN_SEEDS = (2, 6)
 for seed in CLEAN_SEEDS:
     SCENARIOS[f"gpt2_forward_clean_seed{seed}"] = Drill(steps=20, noise_seed=seed, **gpt2_forward)

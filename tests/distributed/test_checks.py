@@ -138,7 +138,9 @@ SCENARIOS: dict[str, tuple[Drill, tuple[str, int, str, tuple[int, ...]] | None]]
 LONG = ("clean", "clean_defaults", "plain_ddp")
 """The long runs (50 and 100 steps), trained in the three-rank world only: whether the
 Guard changes DDP's arithmetic, or accuses a healthy rank at the defaults, does not depend
-on how many ranks a node has (which rank replays which is all it changes)."""
+on how many ranks a node has (which rank replays which is all it changes). At two ranks a
+node, the audit's clean runs and their bit identity with plain DDP are test_replay's 3x2 and
+4x2 worlds (auditing every step or every 5, not at the defaults' 50)."""
 
 
 @pytest.fixture(
