@@ -7,22 +7,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import subprocess
 from pathlib import Path
 
 from aiohttp import web
 
+from sdc_harness.cluster import self_signed_cert
 from sdc_operator.listeners import Connections, GuardedSite
 
 
 def _tls(directory: Path) -> ssl.SSLContext:
-    key, cert = directory / "key.pem", directory / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-keyout", str(key),
-         "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    key, cert = self_signed_cert(directory)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     return context
