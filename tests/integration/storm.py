@@ -378,14 +378,15 @@ class HealthProbe:
 
 
 def operator_api_requests(metrics: str) -> float:
-    """Requests the operator made to the API server (its own counter), watches and the
-    leader election left out."""
+    """Requests the operator made to the API server (its own counter), watches, the leader
+    election and the engine's keep-warm asks (``GET /version``) left out."""
     total = 0.0
     for line in metrics.splitlines():
         if (
             line.startswith("hyperpod_sdc_api_requests_total{")
             and 'verb="watch"' not in line
             and 'client="election"' not in line
+            and 'resource="version"' not in line
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
