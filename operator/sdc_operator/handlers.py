@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -274,7 +275,7 @@ class Operator:
         # Ready once every listener listens (the verdict port starts last, on its own
         # thread) and the caches are synced: a pod marked ready before its verdict port
         # listened sent the agents' first verdicts to the main port.
-        listening = asyncio.Event()
+        listening = threading.Event()  # read on the verdict port's thread too
         self.intake.ready = lambda: listening.is_set() and self.caches.synced()
         self.intake.pod_selectors = self.optin.settings.webhook_pod_selectors
         # One listener per audience (.listeners): the tenants reach only the intake.
