@@ -120,9 +120,14 @@ def test_tls_handshakes_are_timed_and_limited_per_source(
         port: IdleClients(port, 20, "127.0.0.2")
         for port in (op.port, op.admission_port, op.metrics_port)
     }
-    started = time.monotonic()
-    status, _ = ask(op.metrics_url, "/healthz", context=trust)
-    assert status == 200 and time.monotonic() - started < 1.0
+    for url, path, body, expected in [
+        (op.url, "/healthz", None, 404),  # the tenants' port serves nothing but the reports
+        (op.admission_url, ADMISSION_PATH, REVIEW, 200),
+        (op.metrics_url, "/healthz", None, 200),
+    ]:
+        started = time.monotonic()
+        status, _ = ask(url, path, body, context=trust)
+        assert (status, time.monotonic() - started < 1.0) == (expected, True), url
     for port, clients in waiting.items():
         closed = clients.closed_after(10)
         assert len(closed) == 20, f"port {port}: {20 - len(closed)} still open after 10 s"
