@@ -32,6 +32,13 @@ memory each rank keeps for it (``Snapshot.bytes_per_rank`` after the first step,
 moments included) against one replica's state (DDP; with ``--layout fsdp`` or ``hsdp`` only
 the step times: ``bench/snapshot.py --layout fsdp`` gives the memory there).
 
+``audits`` (in each variant whose timed steps held a replay audit): each audit's cost in
+plain steps, its step against the variant's own steps without one, the process's first
+apart (:func:`audit_costs`). ``replay_every_50_only``'s mean over 50 steps holds one audit,
+the first of its process, which pays what later ones do not; ``steady_overhead`` (the later
+audits' median over ``replay_every``) needs more steps (``--steps 200``: four audits), and
+``bench/audit_cost.py`` gives many audits per run.
+
 ``audit_memory``: the replay audit's extra peak memory against the model's gradient bytes:
 resident memory sampled every 0.2 ms during an audited step and during the step before it
 (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
@@ -176,11 +183,14 @@ def measure_variants(
     gpt2: dict[str, int] | None = None,
     bf16: bool = False,
     layout: str = "ddp",
+    audited: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per step of each variant in ``names`` (keys of :data:`VARIANTS`).
 
     Needs an initialized default process group; every rank of it must call this. On CUDA
-    each timed step ends with a device synchronisation.
+    each timed step ends with a device synchronisation. ``audited``, if given, is filled
+    with the indices of each variant's timed steps that ran a replay audit (for
+    :func:`audit_costs`).
     """
     device = device if device is not None else torch.device("cpu")
     sync: Callable[[], object] = torch.cuda.synchronize if device.type == "cuda" else _no_sync
@@ -194,12 +204,15 @@ def measure_variants(
     # One step of each variant in turn: noise on this shared machine hits all alike, and
     # each variant's periodic checks fall on its own steps, amortized over all of them.
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(steps):
-        for name, (run, _) in runners.items():
+    for step in range(steps):
+        for name, (run, guard) in runners.items():
+            audits = guard.replay_stats.audits if guard is not None else 0
             start = time.perf_counter()
             run()
             sync()
             times[name].append(time.perf_counter() - start)
+            if audited is not None and guard is not None and guard.replay_stats.audits > audits:
+                audited.setdefault(name, []).append(step)
     return times
 
 
@@ -399,8 +412,54 @@ def measure_audit_memory(
     }
 
 
-def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
-    """Mean ms per step of ``plain`` and, per other variant, ms per step and overhead."""
+def audit_costs(
+    times: dict[str, list[float]], audited: dict[str, list[int]]
+) -> dict[str, dict[str, Any]]:
+    """Per variant whose timed steps held replay audits: what each audit cost, in plain
+    steps (its step's time less the median of the variant's own steps without one, over
+    the plain median), the first apart from the later ones. The first audit of a process
+    pays once what later ones do not (the replayer's first recompute, first allocations);
+    a variant earlier in :data:`DEFAULT_VARIANTS` has its first audit in the same step as
+    a later one, so only the earliest pays the process's one-time costs. ``of_overhead``:
+    the share of the variant's mean overhead that its audited steps make (the rest is its
+    steps without an audit); ``steady_overhead``: the later audits' median over
+    ``replay_every`` (what an audit adds per step once the first is paid; ``None`` with one
+    audit: run more steps)."""
+    plain = statistics.median(times["plain"])
+    plain_mean = statistics.fmean(times["plain"])
+    out: dict[str, dict[str, Any]] = {}
+    for name, steps in audited.items():
+        samples = times[name]
+        at = set(steps)
+        rest = [t for i, t in enumerate(samples) if i not in at]
+        if not steps or not rest:
+            continue
+        base = statistics.median(rest)
+        costs = [round((samples[i] - base) / plain, 3) for i in steps]
+        every = (VARIANTS[name] or {}).get("replay_every", GuardConfig().replay_every)
+        later = costs[1:]
+        out[name] = {
+            "audits": len(costs),
+            "first_audit_steps": costs[0],
+            "later_audits_steps_median": round(statistics.median(later), 3) if later else None,
+            "each_audit_steps": costs,
+            "replay_every": every,
+            "of_overhead": round(
+                sum(samples[i] - base for i in steps) / len(samples) / plain_mean, 4
+            ),
+            "steady_overhead": round(statistics.median(later) / every, 4)
+            if later and every
+            else None,
+        }
+    return out
+
+
+def summarize(
+    times: dict[str, list[float]], audited: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
+    """Mean ms per step of ``plain`` and, per other variant, ms per step and overhead
+    (with ``audited``, from :func:`measure_variants`: the cost of each replay audit,
+    :func:`audit_costs`, in the variant's ``audits``)."""
     plain = statistics.fmean(times["plain"])
     plain_median = statistics.median(times["plain"])
     out: dict[str, Any] = {
@@ -418,6 +477,8 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
             "overhead": round(mean / plain - 1, 4),
             "median_overhead": round(statistics.median(samples) / plain_median - 1, 4),
         }
+    for name, costs in audit_costs(times, audited or {}).items():
+        out["variants"][name]["audits"] = costs
     floor = _floor(times)
     if floor:
         out["floor"] = floor
@@ -580,6 +641,7 @@ def worker(
     gpt2: dict[str, int] | None = None,
     layout: str = "ddp",
 ) -> dict[str, Any]:
+    audited: dict[str, list[int]] = {}
     times = measure_variants(
         names,
         rank=rank,
@@ -591,15 +653,22 @@ def worker(
         model_kind=model_kind,
         gpt2=gpt2,
         layout=layout,
+        audited=audited,
     )
     net = make_gpt2(**_gpt2_args(gpt2)) if model_kind == "gpt2" else make_model(hidden)
     numel = sum(p.numel() for p in net.parameters())
     if layout != "ddp":
-        return {"times": times, "bound": one_pass_ms(numel, torch.device("cpu"))}
+        bound = one_pass_ms(numel, torch.device("cpu"))
+        return {"times": times, "audited": audited, "bound": bound}
     memory = measure_audit_memory(
         rank=rank, batch=batch, device=torch.device("cpu"), model_kind=model_kind, gpt2=gpt2
     )
-    got = {"times": times, "bound": one_pass_ms(numel, torch.device("cpu")), "memory": memory}
+    got = {
+        "times": times,
+        "audited": audited,
+        "bound": one_pass_ms(numel, torch.device("cpu")),
+        "memory": memory,
+    }
     if "defaults_snapshots" in names:
         got["snapshot_memory"] = measure_snapshot_memory(
             rank=rank, batch=batch, hidden=hidden, model_kind=model_kind, gpt2=gpt2
@@ -736,7 +805,7 @@ def main() -> None:
                 ),
             )
             got = results[0]  # ranks run in lockstep; rank 0 is representative
-        summary = summarize(got["times"])
+        summary = summarize(got["times"], got.get("audited"))
         net = (
             make_gpt2(**_gpt2_args(_gpt2_dims(args))) if kind == "gpt2" else make_model(args.hidden)
         )
