@@ -82,6 +82,17 @@ def _key_of(incident: dict[str, Any]) -> Key:
     return str(meta.get("namespace", "")), str(meta.get("name", ""))
 
 
+def _contained(status: dict[str, Any], summary: tuple[str, str, str, str]) -> bool:
+    """Set the containment ``summary`` (phase, ``Contained`` status, reason, message) in a
+    ``Detected`` incident's ``status``; whether it was one."""
+    if status.get("phase") != "Detected":
+        return False
+    phase, value, reason, message = summary
+    status["phase"] = phase
+    incidents.set_condition(status, "Contained", value, reason, message, now_iso())
+    return True
+
+
 class IncidentEngine:
     def __init__(
         self,
@@ -663,7 +674,11 @@ class IncidentEngine:
                     if gated is not incident:
                         continue  # written: decide again on what was written
                 if action is not None:
-                    incident = await self._act(key, incident, action, rules)
+                    together = incidents.actions_together(incident, rules, action)
+                    if len(together) > 1:
+                        incident = await self._act_together(key, incident, together, rules)
+                    else:
+                        incident = await self._act(key, incident, action, rules)
                     if incident is None:
                         return
                     continue
@@ -744,6 +759,88 @@ class IncidentEngine:
             self.metrics.confirmations.labels(found["outcome"]).inc()
             assert outcome.condition is not None
             await self._confirmation_said(written, found["outcome"], rules, outcome.condition)
+        return written
+
+    async def _act_together(
+        self, key: Key, incident: dict[str, Any], together: list[Action], rules: Rules
+    ) -> dict[str, Any] | None:
+        """Take the containment actions ``together`` (:func:`incidents.actions_together`:
+        none started before) as :meth:`_act` takes one: every intent recorded, in one
+        write, before any is taken; the actions taken at once; their results recorded in
+        one write, with the incident's containment when that is what they complete (where
+        they do not, the next step decides it). 3 calls in turn on the way to containment
+        instead of 7 (intent, effect, result per action, then Contained). An action that
+        raises, or whose result is not known, stays ``Pending``: verified alone before
+        anything else, as after a crash."""
+        if not self._acting():
+            return None
+        intents = [await self.actions.intent(incident, action) for action in together]
+        seen: list[str] = []
+
+        def record(status: dict[str, Any]) -> dict[str, Any] | None:
+            seen.clear()
+            if any(
+                action in incidents.done_actions(status)
+                or incidents.pending_entry(status, action) is not None
+                for action in together
+            ):
+                # started meanwhile (another leader, after a conflict; our cache was late):
+                # decided again on what is written, one at a time
+                seen.append("already")
+                return None
+            if not self._acting():
+                seen.append("stopped")
+                return None
+            at = now_iso()
+            for action, intent in zip(together, intents, strict=True):
+                status = incidents.record_intent(status, action, intent, at)
+            return status
+
+        recorded = await self._write(key, record, self.containment)
+        if recorded is None or seen == ["stopped"]:
+            return None
+        if seen:
+            return recorded
+        if not self._acting():
+            return None  # recorded: the next leader verifies them
+        taken = await asyncio.gather(
+            *(self.actions.take(recorded, action, rules) for action in together),
+            return_exceptions=True,
+        )
+        known = [
+            (action, outcome)
+            for action, outcome in zip(together, taken, strict=True)
+            if isinstance(outcome, Outcome) and outcome.result != UNKNOWN
+        ]
+        uid = str(incident["spec"]["job"]["uid"])
+        stopped = any(a.action == "suspend-job" and o.result == "Succeeded" for a, o in known)
+        step_seconds = self.step_seconds(uid) if stopped else None
+        summaries: list[tuple[str, str, str, str]] = []
+
+        def apply(status: dict[str, Any]) -> dict[str, Any] | None:
+            summaries.clear()
+            if not known:
+                return None
+            for action, outcome in known:
+                status = outcome.apply(status, action)
+            if step_seconds and "stepSeconds" not in status:
+                status["stepSeconds"] = round(step_seconds, 6)  # before heartbeats stop
+            summary = incidents.containment_summary({**recorded, "status": status}, rules)
+            if summary is not None and _contained(status, summary):
+                summaries.append(summary)
+            return status
+
+        written = await self._write(key, apply, self.containment)
+        for action, outcome in known:
+            self.metrics.actions.labels(action.action, outcome.result).inc()
+        failed = [o for o in taken if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
+        if len(known) < len(together):
+            self._later(key, min(5.0, self.settings.resync_seconds))
+            return None
+        if written is not None and summaries:
+            await self._after_contained(key, written, summaries[0])
         return written
 
     # -- the verified snapshot ---------------------------------------------------------------
@@ -996,19 +1093,22 @@ class IncidentEngine:
         ]
 
     async def _contain(self, key: Key, summary: tuple[str, str, str, str]) -> None:
-        phase, value, reason, message = summary
-
         def contained(status: dict[str, Any]) -> dict[str, Any] | None:
-            if status.get("phase") != "Detected":
-                return None
-            status["phase"] = phase
-            incidents.set_condition(status, "Contained", value, reason, message, now_iso())
-            return status
+            return status if _contained(status, summary) else None
 
         written = await self._write(key, contained, self.containment)
-        self.actions.forget(f"{key[0]}/{key[1]}")
         if written is None:
+            self.actions.forget(f"{key[0]}/{key[1]}")
             return
+        await self._after_contained(key, written, summary)
+
+    async def _after_contained(
+        self, key: Key, written: dict[str, Any], summary: tuple[str, str, str, str]
+    ) -> None:
+        """The incident's containment was written (``summary``, as :func:`_contained` set
+        it): its reservations end, it is counted, logged and said in an Event."""
+        phase, _, _, message = summary
+        self.actions.forget(f"{key[0]}/{key[1]}")
         agreed = self._agreed_at.pop(key, None)
         if agreed is not None and phase == "Contained":
             self.metrics.report_to_contained.observe(time.monotonic() - agreed)

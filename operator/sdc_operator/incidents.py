@@ -700,6 +700,35 @@ def next_action(
     return None
 
 
+def actions_together(incident: dict[str, Any], rules: Rules, first: Action) -> list[Action]:
+    """The containment actions recorded and taken together with ``first`` (the next
+    action): ``first`` and the planned actions that follow it, as long as none was started
+    or failed before (those are verified, or wait out their back-off, one at a time). The
+    job's stop only as ``first``: where it comes after the nodes it waits for the snapshot
+    (:func:`snapshot_gate`, decided for the next action only). Their intents are recorded
+    in one write before any is taken, their results in one after: the same records, in
+    fewer calls on the way to containment."""
+    status = incident.get("status") or {}
+    if status.get("phase") != "Detected" or rules.dry_run:
+        return [first]
+    planned = planned_actions(incident, rules)
+    if first not in planned:
+        return [first]
+    done = done_actions(status)
+    together: list[Action] = []
+    for action in planned[planned.index(first) :]:
+        fresh = (
+            action not in done
+            and pending_entry(status, action) is None
+            and retry_at(status, action, rules) is None
+            and (action == first or action.action != "suspend-job")
+        )
+        if not fresh:
+            break
+        together.append(action)
+    return together or [first]
+
+
 def pending_actions(incident: dict[str, Any], rules: Rules) -> bool:
     """Anything left to do now or after a back-off (the resync keeps driving it)."""
     status = incident.get("status") or {}
