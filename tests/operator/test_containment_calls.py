@@ -1,8 +1,9 @@
-"""The calls in turn from agreement to containment (docs/operator.md, "Verdicts first"):
+"""The calls in turn from agreement to containment (docs/operator.md, "Exactly once"):
 the job's stop and the node's quarantine have their intents recorded in one status write
-before either is taken, are taken at once, and have their results recorded in one write
-with the incident's containment: 4 calls in 3 turns, where one action at a time made 7
-calls in 7 turns (intent, effect, result per action, then ``Contained``). The records
+before either is taken, are taken in their order, and have their results recorded in one
+write with the incident's containment: 4 calls, where one action at a time made 7
+(intent, effect, result per action, then ``Contained``), each waiting for the one before.
+The records
 are the same either way; what a crash or a conflict between them leaves is verified as
 before (tests/integration/test_restart.py, test_exactly_once.py)."""
 
@@ -166,10 +167,13 @@ def test_the_stop_and_the_quarantine_are_recorded_and_taken_together() -> None:
     ]
     assert before.turns == 7
     # both intents before either action; both results with the containment
-    assert after.calls[0] == "status Detected, 2 pending"
-    assert sorted(after.calls[1:3]) == ["patch node", "patch pytorchjobs"]
-    assert after.calls[3:] == ["status Contained, 0 pending"]
-    assert after.turns == 3
+    assert after.calls == [
+        "status Detected, 2 pending",
+        "patch pytorchjobs",
+        "patch node",
+        "status Contained, 0 pending",
+    ]
+    assert after.turns == 4
     # the same records, the same Events
     for incident in (was, now):
         status = incident["status"]
