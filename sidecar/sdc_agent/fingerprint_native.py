@@ -9,6 +9,15 @@ the tensor. This kernel has no intrinsics and no ISA-specific code: the inner lo
 additions per element on fixed-size lane arrays, which every C compiler vectorizes for the
 machine it runs on (``-march=native``) or, failing that, for the baseline ISA.
 
+Check 3 reads the weights and the optimizer's moments right after the update, from memory,
+not cache (the update's footprint is larger than the last-level cache). The widening loop
+issues more instructions per byte than a plain sum, and a core then keeps fewer cache
+misses in flight than a sum does: the inner loop asks for every cache line 4 KiB ahead
+(``__builtin_prefetch``, which GCC and Clang provide and which never faults; a no-op
+elsewhere). Over 113 MB read cold on one core of a Xeon (AVX-512) that took the kernel
+from 11.5 to 8.3 ms, ``torch.sum``'s 8.3 ms over the same bytes; tensors that sit in cache
+take the same time as before (``bench/overhead.py``'s ``bound`` times both cases).
+
 The sums, for a block of ``Q`` vectors of ``V`` lanes starting at element ``g``
 (``i = g + V*q + l``): per lane ``A_l = sum_q v[q,l]`` and ``B_l = sum_q (Q - q) v[q,l]``
 (``B += A`` after ``A += v``), so ``sum_q q v[q,l] = Q*A_l - B_l`` and
@@ -72,6 +81,16 @@ static void fold(u64 *W, u64 *P, u64 g, u64 V, u64 Q, const int64_t *A, const in
     *P += s;
 }
 
+/* Ask for each cache line this far ahead (see the module docstring). */
+#define AHEAD 4096
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(P, BYTES)                                          \
+    for (int o_ = 0; o_ < (int)(BYTES); o_ += 64)                   \
+        __builtin_prefetch((const char *)(P) + AHEAD + o_)
+#else
+#define PREFETCH(P, BYTES)
+#endif
+
 #define TAIL(T)                                                     \
     for (; i < n; i++) {                                            \
         u64 v = (u64)(int64_t)x[i];                                 \
@@ -90,8 +109,10 @@ static void NAME(const T *x, int64_t n, u64 base, u64 *W_, u64 *P_) { \
         if (q_end > Q) q_end = Q;                                   \
         ACC A[V] = {0}, B[V] = {0};                                 \
         const T *p = x + i;                                         \
-        for (int64_t q = 0; q < q_end; q++, p += V)                 \
+        for (int64_t q = 0; q < q_end; q++, p += V) {               \
+            PREFETCH(p, V * sizeof(T));                             \
             for (int l = 0; l < V; l++) { A[l] += (ACC)p[l]; B[l] += A[l]; } \
+        }                                                           \
         int64_t A64[V], B64[V];                                     \
         for (int l = 0; l < V; l++) { A64[l] = (int64_t)A[l]; B64[l] = (int64_t)B[l]; } \
         fold(&W, &P, base + (u64)i, V, (u64)q_end, A64, B64);       \
