@@ -19,6 +19,9 @@ over plain DDP (``any_comm_hook``, ``hook_and_check_pass``) and the Guard's ``ho
 ``nonfinite_only`` over them (what is the Guard's own beyond that arithmetic), and ``bound``
 the two kernels timed alone over a tensor the size of the gradients, with their share of
 the plain step (``mul_share_of_plain_step``, ``scale_and_check_share_of_plain_step``).
+For check 3 (DDP on CPU), ``bound`` also times one read of the parameters and Adam's two
+moments right after a fused Adam update, where check 3 reads them, against check 3's
+fingerprints of the same tensors there (:func:`after_update_ms`).
 
 ``defaults_parts``: the defaults' overhead as the sum of their three checks', each measured
 alone in the same run, next to each part's floor (:func:`defaults_parts`): what the
@@ -96,6 +99,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_agent import Guard, GuardConfig
+from sdc_agent.fingerprint import Fingerprinter
 from sdc_agent.launch import free_port, spawn_local
 
 OFF = {"nonfinite_check": False, "weights_every": 0, "replay_every": 0}
@@ -524,7 +528,9 @@ def defaults_parts(summary: dict[str, Any], bound: dict[str, float]) -> dict[str
       step, about a step's compute) once per interval, on any hardware;
     - ``weights``: ``weights_every_1_only`` over ``hook_only``, divided by ``weights_every``;
       its floor reading the weights and Adam's two moments once (3 x ``sum_ms``, one pass
-      over the parameters' size) per interval.
+      over the parameters' size, in cache) per interval; ``floor_after_update`` the same read
+      where check 3 makes it, right after the update, from memory
+      (``bound.read_after_update_ms``, :func:`after_update_ms`; DDP on CPU only).
 
     ``None`` where a variant is missing."""
     v = {name: got["overhead"] for name, got in summary["variants"].items()}
@@ -552,6 +558,10 @@ def defaults_parts(summary: dict[str, Any], bound: dict[str, float]) -> dict[str
         name: {"measured": round(measured, 4), "floor": round(least, 4)}
         for name, (measured, least) in parts.items()
     }
+    if "read_after_update_ms" in bound:
+        out["weights"]["floor_after_update"] = round(
+            bound["read_after_update_ms"] / summary["plain_step_ms"] / config.weights_every, 4
+        )
     out["sum_of_parts"] = round(sum(m for m, _ in parts.values()), 4)
     out["sum_of_floors"] = round(sum(f for _, f in parts.values()), 4)
     out["defaults_measured"] = v["defaults"]
@@ -628,6 +638,37 @@ def one_pass_ms(numel: int, device: torch.device) -> dict[str, float]:
     }
 
 
+def after_update_ms(net: nn.Module) -> dict[str, float]:
+    """Check 3's read where check 3 makes it: every parameter and Adam's two moments right
+    after a fused Adam update (whose footprint, four times the parameters', leaves them in
+    memory, not cache). ``read_after_update_ms``: one ``torch.sum`` over each (the floor of
+    any check that reads them); ``fingerprint_after_update_ms``: ``Fingerprinter.many``
+    over the same tensors, what check 3 runs. Updates and measurements alternate."""
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    tensors = [
+        t
+        for p in net.parameters()
+        for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+    ]
+    fingerprinter = Fingerprinter("auto")
+    fingerprinter.many(tensors)  # builds the kernel
+    contenders: dict[str, Callable[[], object]] = {
+        "read_after_update_ms": lambda: [t.detach().sum() for t in tensors],
+        "fingerprint_after_update_ms": lambda: fingerprinter.many(tensors),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(10):
+        for name, fn in contenders.items():
+            opt.step()
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(got) * 1e3, 3) for name, got in samples.items()}
+
+
 def worker(
     rank: int,
     world: int,
@@ -663,12 +704,8 @@ def worker(
     memory = measure_audit_memory(
         rank=rank, batch=batch, device=torch.device("cpu"), model_kind=model_kind, gpt2=gpt2
     )
-    got = {
-        "times": times,
-        "audited": audited,
-        "bound": one_pass_ms(numel, torch.device("cpu")),
-        "memory": memory,
-    }
+    bound = {**one_pass_ms(numel, torch.device("cpu")), **after_update_ms(net)}
+    got = {"times": times, "audited": audited, "bound": bound, "memory": memory}
     if "defaults_snapshots" in names:
         got["snapshot_memory"] = measure_snapshot_memory(
             rank=rank, batch=batch, hidden=hidden, model_kind=model_kind, gpt2=gpt2
