@@ -525,7 +525,9 @@ def defaults_parts(summary: dict[str, Any], bound: dict[str, float]) -> dict[str
       (``plain_hook_check``: a Python comm hook and check 1's one pass);
     - ``audit``: ``replay_every_50_only`` over ``hook_only``; its floor 1/``replay_every``:
       the audit recomputes one micro-batch's forward and backward (with one micro-batch a
-      step, about a step's compute) once per interval, on any hardware;
+      step, about a step's compute) once per interval, on any hardware. That difference of
+      two means also holds the noise of every step without an audit; ``audited_steps`` is
+      the audits' own share of the mean (``audits.of_overhead``, :func:`audit_costs`);
     - ``weights``: ``weights_every_1_only`` over ``hook_only``, divided by ``weights_every``;
       its floor reading the weights and Adam's two moments once (3 x ``sum_ms``, one pass
       over the parameters' size, in cache) per interval; ``floor_after_update`` the same read
@@ -562,6 +564,10 @@ def defaults_parts(summary: dict[str, Any], bound: dict[str, float]) -> dict[str
         out["weights"]["floor_after_update"] = round(
             bound["read_after_update_ms"] / summary["plain_step_ms"] / config.weights_every, 4
         )
+    audits = summary["variants"]["replay_every_50_only"].get("audits")
+    if audits is not None:
+        share = audits["of_overhead"] * audited_every / config.replay_every
+        out["audit"]["audited_steps"] = round(share, 4)
     out["sum_of_parts"] = round(sum(m for m, _ in parts.values()), 4)
     out["sum_of_floors"] = round(sum(f for _, f in parts.values()), 4)
     out["defaults_measured"] = v["defaults"]

@@ -4,7 +4,7 @@ steps without an audit, in plain steps, the first apart from the later ones."""
 from __future__ import annotations
 
 import pytest
-from bench.overhead import audit_costs, summarize
+from bench.overhead import audit_costs, defaults_parts, summarize
 
 
 def _times() -> tuple[dict[str, list[float]], dict[str, list[int]]]:
@@ -48,3 +48,20 @@ def test_summarize_keeps_its_keys_and_adds_the_audits() -> None:
     assert {k: v for k, v in row.items() if k != "audits"} == without["variants"][
         "replay_every_50_only"
     ]
+
+
+def test_defaults_parts_gives_the_audits_own_share_next_to_the_difference_of_means() -> None:
+    times, audited = _times()
+    # Steps without an audit 5 % slower than hook_only's: noise the difference of the means
+    # counts as the audit's, and the audited steps' own share does not.
+    times["hook_only"] = [0.100] * 10
+    times["plain_hook_check"] = [0.101] * 10
+    times["nonfinite_only"] = [0.102] * 10
+    times["weights_every_1_only"] = [0.120] * 10
+    times["defaults"] = [0.110] * 10
+    parts = defaults_parts(summarize(times, audited), {"sum_ms": 1.0})
+    assert parts is not None
+    assert parts["audit"]["measured"] == pytest.approx(0.45)
+    assert parts["audit"]["audited_steps"] == pytest.approx(0.4)
+    assert parts["audit"]["floor"] == pytest.approx(1 / 50)
+    assert "audited_steps" not in defaults_parts(summarize(times), {"sum_ms": 1.0})["audit"]  # type: ignore[index]
