@@ -4,8 +4,8 @@ Prints JSON. Two gloo ranks on two emulated nodes train ``bench/overhead.py``'s 
 or GPT-2, fused Adam, no torch.compile, no bf16) with two Guards in each process, whose
 steps alternate: ``off`` (every check off: the Guard's hook only) and ``audited`` (the replay
 audit every ``--every`` steps, nothing else). ``bench/overhead.py`` holds one audit per 50
-steps, the first of its process, so one sample, with whatever the first audit pays once;
-here every audit is a sample and the first is reported apart.
+steps, the first of its process, so one sample (its ``audits``), with whatever the first
+audit pays once; here every audit is a sample and the first is reported apart.
 
 Per audit, against the median of the ``audited`` Guard's own unaudited steps, in units of the
 ``off`` Guard's median step (``*_steps``): ``wall`` the wall-clock time; ``cpu`` the rank's
