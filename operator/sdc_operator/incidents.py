@@ -939,22 +939,29 @@ def _stops(incident: dict[str, Any]) -> list[tuple[datetime, bool]]:
     return found
 
 
+def _stopping(status: dict[str, Any]) -> bool:
+    """Whether the last ``suspend-job`` record of ``status`` is ``Pending``."""
+    entries = [a for a in status.get("actions") or [] if a.get("action") == "suspend-job"]
+    return bool(entries) and entries[-1].get("result") == PENDING
+
+
 def job_holders(
     incident: dict[str, Any], others: Iterable[dict[str, Any]]
 ) -> list[tuple[str, bool]]:
     """The job's other incidents that hold it stopped, so that ``incident`` must not
     resume it: each as (name, whether its hold may end by itself).
 
-    An incident holds its job from its ``suspend-job`` until its own ``resume-job``
-    succeeds. Its hold ends by itself where its containment is still in progress (phase
-    ``Detected``: it may yet quarantine its nodes and resume the job itself); it is for a
-    person to end where it stopped the job for good: contained without quarantining its
-    nodes (``QuarantineCapReached``, ``NotQuarantined``, ``JobStoppedNotLocalized``,
-    ``Storm``), or its own resume was refused. An incident that quarantined its nodes and
-    has not decided about the resume yet does not hold (it resumes the job itself, or
-    would let it run), nor does one released after review. A hold ends, too, where the job
-    was found running after it (a later ``suspend-job`` of any incident of the job that
-    stopped it again): a person restarted it."""
+    An incident holds its job from its ``suspend-job`` (from the intent, recorded
+    ``Pending`` before the stop is taken) until its own ``resume-job`` succeeds. Its hold
+    ends by itself where its containment is still in progress (phase ``Detected``: it may
+    yet quarantine its nodes and resume the job itself); it is for a person to end where it
+    stopped the job for good: contained without quarantining its nodes
+    (``QuarantineCapReached``, ``NotQuarantined``, ``JobStoppedNotLocalized``, ``Storm``),
+    or its own resume was refused. An incident that quarantined its nodes and has not
+    decided about the resume yet does not hold (it resumes the job itself, or would let it
+    run), nor does one released after review. A hold ends, too, where the job was found
+    running after it (a later ``suspend-job`` of any incident of the job that stopped it
+    again): a person restarted it."""
     spec = incident.get("spec") or {}
     uid = (spec.get("job") or {}).get("uid")
     name = (incident.get("metadata") or {}).get("name")
@@ -972,6 +979,11 @@ def job_holders(
         if other_name == name:
             continue
         status = other.get("status") or {}
+        if status.get("phase") == "Detected" and _stopping(status):
+            # Its stop is recorded Pending (being taken, with its quarantine: the result is
+            # written with theirs): it holds the job as from that intent.
+            holders.append((other_name, True))
+            continue
         stops = [at for at, _ in _stops(other)]
         if not stops or status.get("phase") in ("Released", "DryRun"):
             continue

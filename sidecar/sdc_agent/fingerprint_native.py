@@ -81,12 +81,14 @@ static void fold(u64 *W, u64 *P, u64 g, u64 V, u64 Q, const int64_t *A, const in
     *P += s;
 }
 
-/* Ask for each cache line this far ahead (see the module docstring). */
+/* Ask for each cache line this far ahead (see the module docstring). The address is
+   computed as an integer: near the end of a tensor it lies past the buffer, which a
+   prefetch may name (it never faults) but pointer arithmetic may not. */
 #define AHEAD 4096
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(P, BYTES)                                          \
     for (int o_ = 0; o_ < (int)(BYTES); o_ += 64)                   \
-        __builtin_prefetch((const char *)(P) + AHEAD + o_)
+        __builtin_prefetch((const void *)((uintptr_t)(P) + AHEAD + (uintptr_t)o_))
 #else
 #define PREFETCH(P, BYTES)
 #endif

@@ -17,6 +17,7 @@ import pytest
 
 from sdc_operator import incidents
 from sdc_operator.engine import IncidentEngine
+from sdc_operator.errors import ApiError
 from sdc_operator.incidents import Rules
 from sdc_operator.metrics import Metrics
 from sdc_operator.settings import OperatorSettings
@@ -205,3 +206,60 @@ def test_an_action_started_before_is_verified_alone_first() -> None:
     following = incidents.next_action(then, Rules())
     assert following == incidents.Action("quarantine-node", "b")
     assert incidents.actions_together(then, Rules(), following) == [following]
+
+
+def test_a_stop_that_fails_is_verified_alone_and_the_quarantine_is_not_taken_again() -> None:
+    """The job's stop fails (the API server answers 500) while the quarantine succeeds: the
+    quarantine's result is written, the stop stays ``Pending`` and the error is raised (the
+    reconcile is retried); the retry verifies the stop alone and takes it, once more, and
+    the node is patched once in all."""
+
+    async def go() -> tuple[Containment, dict[str, Any], list[str]]:
+        containment, records = Containment(), Records()
+        fake: Any = Caches()
+        api: Any = (containment, records)
+        engine = IncidentEngine(
+            OperatorSettings(), Metrics(), fake, records=api[1], containment=api[0]
+        )
+        engine.leader = True
+        engine.rules_for = lambda namespace: Rules()  # type: ignore[method-assign]
+        engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
+        engine._later = lambda key, delay: None  # type: ignore[method-assign]
+        patch_job = containment.patch_object
+        fails = [ApiError(500, "etcd is slow")]
+
+        async def failing(*args: Any) -> dict[str, Any]:
+            if fails:
+                await containment._call("patch pytorchjobs: 500")
+                raise fails.pop()
+            return await patch_job(*args)
+
+        containment.patch_object = failing  # type: ignore[method-assign,assignment]
+        with pytest.raises(ApiError):
+            await engine.reconcile(*KEY)
+        between = [
+            (a["action"], a["result"]) for a in fake.incidents.get(*KEY)["status"]["actions"]
+        ]
+        assert between == [("suspend-job", "Pending"), ("quarantine-node", "Succeeded")]
+        containment.contained = lambda: setattr(engine, "leader", False)
+        await engine.reconcile(*KEY)
+        for task in list(engine._background):
+            await task
+        return containment, fake.incidents.get(*KEY), records.events
+
+    containment, incident, events = asyncio.run(go())
+    assert containment.calls[:4] == [
+        "status Detected, 2 pending",
+        "patch pytorchjobs: 500",
+        "patch node",
+        "status Detected, 1 pending",  # the quarantine's result; the stop still Pending
+    ]
+    assert containment.calls.count("patch node") == 1
+    assert containment.calls.count("patch pytorchjobs") == 1
+    status = incident["status"]
+    assert [(a["action"], a["result"]) for a in status["actions"]] == [
+        ("suspend-job", "Succeeded"),
+        ("quarantine-node", "Succeeded"),
+    ]
+    assert status["phase"] == "Contained"
+    assert events.count("SDCNodeQuarantined") == 1 and events.count("SDCJobSuspended") == 1

@@ -359,6 +359,26 @@ def test_job_holders_wait_for_containment_and_leave_a_stop_for_good_to_a_person(
     ]
 
 
+def test_a_stop_being_taken_holds_the_job_from_its_intent() -> None:
+    """The stop and the quarantine are recorded ``Pending`` together and their results
+    written together: meanwhile the job is held (before, another incident of the job could
+    resume it before this one's suspect node was cordoned)."""
+    me = _holder("i1", "Contained", stopped="2026-11-29T00:00:05Z", contained="NodeQuarantined")
+    taking = _holder("taking", "Detected")
+    taking["status"]["actions"] = [
+        {"action": "suspend-job", "result": "Pending", "at": "2026-11-29T00:00:10Z"},
+        {
+            "action": "quarantine-node",
+            "target": "n2",
+            "result": "Pending",
+            "at": "2026-11-29T00:00:10Z",
+        },
+    ]
+    assert incidents.job_holders(me, [me, taking]) == [("taking", True)]
+    taking["status"]["phase"] = "DryRun"
+    assert incidents.job_holders(me, [me, taking]) == []
+
+
 def test_a_job_found_running_after_a_stop_ends_that_stops_hold() -> None:
     """A person restarted the job after ``old`` stopped it for good: ``new`` found it
     running and stopped it again, so ``old`` holds it no more. A stop that found the job
