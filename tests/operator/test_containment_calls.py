@@ -127,18 +127,22 @@ class Records:
         self.events.append(reason)
 
 
+def leading_engine(containment: Containment, records: Records, fake: Any) -> IncidentEngine:
+    """The leader's engine over these fakes, with the default rules."""
+    api: Any = (containment, records)
+    engine = IncidentEngine(OperatorSettings(), Metrics(), fake, records=api[1], containment=api[0])
+    engine.leader = True
+    engine.rules_for = lambda namespace: Rules()  # type: ignore[method-assign]
+    engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
+    return engine
+
+
 def contain(together: bool) -> tuple[Containment, Records, dict[str, Any]]:
     async def go() -> tuple[Containment, Records, dict[str, Any]]:
         containment, records = Containment(), Records()
         fake: Any = Caches()
-        api: Any = (containment, records)
-        engine = IncidentEngine(
-            OperatorSettings(), Metrics(), fake, records=api[1], containment=api[0]
-        )
-        engine.leader = True
+        engine = leading_engine(containment, records, fake)
         containment.contained = lambda: setattr(engine, "leader", False)
-        engine.rules_for = lambda namespace: Rules()  # type: ignore[method-assign]
-        engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
         await engine.reconcile(*KEY)
         for task in list(engine._background):
             await task
@@ -217,13 +221,7 @@ def test_a_stop_that_fails_is_verified_alone_and_the_quarantine_is_not_taken_aga
     async def go() -> tuple[Containment, dict[str, Any], list[str]]:
         containment, records = Containment(), Records()
         fake: Any = Caches()
-        api: Any = (containment, records)
-        engine = IncidentEngine(
-            OperatorSettings(), Metrics(), fake, records=api[1], containment=api[0]
-        )
-        engine.leader = True
-        engine.rules_for = lambda namespace: Rules()  # type: ignore[method-assign]
-        engine.refresh_quarantined = lambda: None  # type: ignore[method-assign]
+        engine = leading_engine(containment, records, fake)
         engine._later = lambda key, delay: None  # type: ignore[method-assign]
         patch_job = containment.patch_object
         fails = [ApiError(500, "etcd is slow")]
