@@ -93,6 +93,13 @@ def _contained(status: dict[str, Any], summary: tuple[str, str, str, str]) -> bo
     return True
 
 
+def _with_step_seconds(status: dict[str, Any], step_seconds: float | None) -> dict[str, Any]:
+    """``status`` with the job's step time, where a stop read one and none is recorded."""
+    if step_seconds and "stepSeconds" not in status:
+        status["stepSeconds"] = round(step_seconds, 6)
+    return status
+
+
 class IncidentEngine:
     def __init__(
         self,
@@ -706,27 +713,8 @@ class IncidentEngine:
                 self._later(key, min(5.0, self.settings.resync_seconds))
                 return None
         else:
-            intent = await self.actions.intent(incident, action)
-            already = []
-
-            def record(status: dict[str, Any]) -> dict[str, Any] | None:
-                if action in incidents.done_actions(status):
-                    already.append(True)  # done by the previous leader: our cache was late
-                    return None
-                if incidents.pending_entry(status, action) is not None:
-                    # recorded meanwhile (another leader, after a conflict): verified
-                    # next, never overwritten and taken again
-                    already.append(True)
-                    return None
-                if not self._acting():
-                    already.append(False)
-                    return None
-                return incidents.record_intent(status, action, intent, now_iso())
-
-            recorded = await self._write(key, record, self.containment)
-            if recorded is None or already == [False]:
-                return None
-            if already:
+            recorded, now = await self._record_intents(key, incident, [action])
+            if not now or recorded is None:
                 return recorded
             if not self._acting():
                 return None  # recorded: the next leader verifies it
@@ -740,17 +728,10 @@ class IncidentEngine:
             self._later(key, min(5.0, self.settings.resync_seconds))
             return None
         self._waiting.pop(key, None)
-        step_seconds = (
-            self.step_seconds(str(incident["spec"]["job"]["uid"]))
-            if action.action == "suspend-job" and outcome.result == "Succeeded"
-            else None
-        )
+        step_seconds = self._step_seconds_at_stop(incident, [(action, outcome)])
 
         def apply(status: dict[str, Any]) -> dict[str, Any]:
-            status = outcome.apply(status, action)
-            if step_seconds and "stepSeconds" not in status:
-                status["stepSeconds"] = round(step_seconds, 6)  # before heartbeats stop
-            return status
+            return _with_step_seconds(outcome.apply(status, action), step_seconds)
 
         written = await self._write(key, apply, self.containment)
         self.metrics.actions.labels(action.action, outcome.result).inc()
@@ -760,6 +741,48 @@ class IncidentEngine:
             assert outcome.condition is not None
             await self._confirmation_said(written, found["outcome"], rules, outcome.condition)
         return written
+
+    async def _record_intents(
+        self, key: Key, incident: dict[str, Any], actions: list[Action]
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """Record the intents of ``actions`` in one status write, before any is taken:
+        (the incident as written, True); (the incident as read, False) where one of them was
+        started or done meanwhile (by another leader, after a conflict, or our cache was
+        late: decided again on what is written, never overwritten and taken again); (None,
+        False) where this replica no longer acts or nothing could be written."""
+        intents = [await self.actions.intent(incident, action) for action in actions]
+        already: list[bool] = []
+
+        def record(status: dict[str, Any]) -> dict[str, Any] | None:
+            already.clear()
+            if any(
+                action in incidents.done_actions(status)
+                or incidents.pending_entry(status, action) is not None
+                for action in actions
+            ):
+                already.append(True)
+                return None
+            if not self._acting():
+                already.append(False)
+                return None
+            at = now_iso()
+            for action, intent in zip(actions, intents, strict=True):
+                status = incidents.record_intent(status, action, intent, at)
+            return status
+
+        recorded = await self._write(key, record, self.containment)
+        if recorded is None or already == [False]:
+            return None, False
+        return recorded, not already
+
+    def _step_seconds_at_stop(
+        self, incident: dict[str, Any], outcomes: list[tuple[Action, Outcome]]
+    ) -> float | None:
+        """The job's step time, where ``outcomes`` stopped it (read before its heartbeats
+        stop)."""
+        if any(a.action == "suspend-job" and o.result == "Succeeded" for a, o in outcomes):
+            return self.step_seconds(str(incident["spec"]["job"]["uid"]))
+        return None
 
     async def _act_together(
         self, key: Key, incident: dict[str, Any], together: list[Action], rules: Rules
@@ -774,33 +797,9 @@ class IncidentEngine:
         alone before anything else, as after a crash."""
         if not self._acting():
             return None
-        intents = [await self.actions.intent(incident, action) for action in together]
-        seen: list[str] = []
-
-        def record(status: dict[str, Any]) -> dict[str, Any] | None:
-            seen.clear()
-            if any(
-                action in incidents.done_actions(status)
-                or incidents.pending_entry(status, action) is not None
-                for action in together
-            ):
-                # started meanwhile (another leader, after a conflict; our cache was late):
-                # decided again on what is written, one at a time
-                seen.append("already")
-                return None
-            if not self._acting():
-                seen.append("stopped")
-                return None
-            at = now_iso()
-            for action, intent in zip(together, intents, strict=True):
-                status = incidents.record_intent(status, action, intent, at)
-            return status
-
-        recorded = await self._write(key, record, self.containment)
-        if recorded is None or seen == ["stopped"]:
-            return None
-        if seen:
-            return recorded
+        recorded, now = await self._record_intents(key, incident, together)
+        if not now or recorded is None:
+            return recorded  # decided again on what is written, one at a time
         if not self._acting():
             return None  # recorded: the next leader verifies them
         # In their order, on the pool's one connection kept open: at once, the second
@@ -818,9 +817,7 @@ class IncidentEngine:
             for action, outcome in zip(together, taken, strict=True)
             if isinstance(outcome, Outcome) and outcome.result != UNKNOWN
         ]
-        uid = str(incident["spec"]["job"]["uid"])
-        stopped = any(a.action == "suspend-job" and o.result == "Succeeded" for a, o in known)
-        step_seconds = self.step_seconds(uid) if stopped else None
+        step_seconds = self._step_seconds_at_stop(incident, known)
         summaries: list[tuple[str, str, str, str]] = []
 
         def apply(status: dict[str, Any]) -> dict[str, Any] | None:
@@ -829,8 +826,7 @@ class IncidentEngine:
                 return None
             for action, outcome in known:
                 status = outcome.apply(status, action)
-            if step_seconds and "stepSeconds" not in status:
-                status["stepSeconds"] = round(step_seconds, 6)  # before heartbeats stop
+            status = _with_step_seconds(status, step_seconds)
             summary = incidents.containment_summary({**recorded, "status": status}, rules)
             if summary is not None and _contained(status, summary):
                 summaries.append(summary)
