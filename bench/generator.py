@@ -100,12 +100,34 @@ def _serve(
             )
 
 
+def placement(
+    nodes: int, processes: int, nice: int, apart: list[int]
+) -> tuple[list[tuple[list[int], int]], list[tuple[int, int]]]:
+    """Which process holds which node: ``(its nodes, its niceness)`` per process (the
+    nodes not ``apart`` dealt out in turn over at most ``processes`` processes at
+    ``nice``, then one process at niceness 0 per node ``apart``), and per node ``(its
+    process, its index there)``."""
+    apart = [node for node in dict.fromkeys(apart) if 0 <= node < nodes]
+    shared = [node for node in range(nodes) if node not in apart]
+    count = max(1, min(processes, len(shared)))
+    plan = [(shared[p::count], nice) for p in range(count) if shared[p::count]]
+    plan += [([node], 0) for node in apart]
+    where = [(0, 0)] * nodes
+    for p, (mine, _) in enumerate(plan):
+        for local, node in enumerate(mine):
+            where[node] = (p, local)
+    return plan, where
+
+
 class Generator:
     """``len(urls)`` agents (node ``i`` reports to ``urls[i]``, and its verdicts to
     ``verdict_urls[i]`` where given, with ``tokens[i]`` from ``sources[i]``) over
-    ``processes`` processes: node ``i`` lives in process ``i % processes``. ``nice``: the
-    processes' niceness (19: the operator and the API server take the cores first, as
-    where the agents run on other machines)."""
+    ``processes`` processes, dealt out in turn, and a process of its own for each node in
+    ``apart``. ``nice``: the shared processes' niceness (19: the operator and the API
+    server take the cores first, as where the agents run on other machines); the nodes
+    ``apart`` keep niceness 0. The bench sets the elected reporters apart: in production a
+    node's agent shares its process with its own training only, not with 255 other nodes'
+    agents and their GIL, and its CPU is its node's."""
 
     def __init__(
         self,
@@ -117,15 +139,16 @@ class Generator:
         processes: int,
         verdict_urls: list[str | None] | None = None,
         nice: int = 0,
+        apart: list[int] | None = None,
     ) -> None:
         self.nodes = len(urls)
         verdict_urls = verdict_urls or [None] * self.nodes
-        self.processes = max(1, min(processes, self.nodes))
+        plan, self._where = placement(self.nodes, processes, nice, apart or [])
+        self.processes = len(plan)
         context = multiprocessing.get_context("spawn")  # no threads of ours inherited
         self._pipes: list[Connection] = []
         self._procs: list[Any] = []
-        for p in range(self.processes):
-            mine = list(range(p, self.nodes, self.processes))
+        for p, (mine, niceness) in enumerate(plan):
             here, there = context.Pipe()
             proc = context.Process(
                 target=_serve,
@@ -137,7 +160,7 @@ class Generator:
                     ca,
                     [sources[i] for i in mine],
                     [verdict_urls[i] for i in mine],
-                    nice,
+                    niceness,
                 ),
                 daemon=True,
             )
@@ -157,7 +180,8 @@ class Generator:
         """Each process's share of ``reports``, by its local agent index, in order."""
         shares: list[list[tuple[int, Report]]] = [[] for _ in range(self.processes)]
         for node, report in reports:
-            shares[node % self.processes].append((node // self.processes, report))
+            process, local = self._where[node]
+            shares[process].append((local, report))
         return shares
 
     def _merge(
@@ -165,7 +189,7 @@ class Generator:
     ) -> list[storm.Sender]:
         """The senders of every process, back in the order of ``reports``."""
         taken = [iter(answer["senders"]) for answer in answers]
-        return [next(taken[node % self.processes]) for node, _ in reports]
+        return [next(taken[self._where[node][0]]) for node, _ in reports]
 
     def warm(self, reports: list[tuple[int, Report]], at_once: int = 16) -> dict[str, Any]:
         """Every agent opens its kept connection with ``reports`` (a heartbeat each), at most
