@@ -33,13 +33,14 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from sdc_common.names import CONFIRM_EXIT_CODES
 
 from .jobshape import GPU_RESOURCES
 from .names import GROUP, INCIDENT_KIND, SUSPECT_KEY, VERSION
+from .times import parse_time
 
 __all__ = [
     "CONFIRMATION_LABEL",
@@ -441,7 +442,7 @@ def _scheduling_refusal(pod: Mapping[str, Any]) -> str | None:
 
 def _at(value: Any) -> datetime | None:
     try:
-        return datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        return parse_time(str(value))
     except ValueError:
         return None
 

@@ -51,7 +51,6 @@ from .incidents import (
     ResolvedSuspect,
     Rules,
     now_iso,
-    parse_time,
 )
 from .kube import Kube, is_conflict, is_not_found
 from .lane import LoopThread
@@ -59,6 +58,7 @@ from .metrics import Metrics
 from .policy import POLICY_CAUTION, Admission, namespace_admission
 from .remediate import HyperPodNodes
 from .settings import OperatorSettings
+from .times import parse_time
 
 __all__ = ["IncidentEngine"]
 

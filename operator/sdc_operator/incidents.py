@@ -26,7 +26,6 @@ it took effect.
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,6 +37,7 @@ from sdc_common.protocol import VerdictReport
 
 from . import confirmation
 from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION
+from .times import parse_time
 
 __all__ = [
     "Action",
@@ -144,29 +144,6 @@ class Action:
 
 def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-_RFC3339_SECONDS = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})Z")
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_time(at: str) -> datetime:
-    """``at`` (RFC 3339, seconds, UTC: ``2026-12-06T19:00:00Z``, as the API server and
-    :func:`now_iso` write it) as a datetime; ``ValueError`` for anything else. Remembered:
-    every verdict of a storm parses the same few times (its pod's creation, the incident's
-    stop; strptime cost 2.6 s of a profiled 2,048-node storm). Not ``strptime``: its first
-    call in a process imports ``_strptime`` and builds its locale tables and patterns, which
-    the first verdict after a start paid on the way to containment (20 ms traced on a quiet
-    machine, 150 ms on a busy one)."""
-    match = _RFC3339_SECONDS.fullmatch(at)
-    if match is None:
-        raise ValueError(
-            f"time {at!r} is not RFC 3339 in whole seconds, UTC (YYYY-MM-DDTHH:MM:SSZ)"
-        )
-    try:
-        return datetime(*(int(part) for part in match.groups()), tzinfo=timezone.utc)
-    except ValueError as exc:  # a month 13, a February 30th
-        raise ValueError(f"time {at!r}: {exc}") from None
 
 
 _NOT_DNS = re.compile(r"[^a-z0-9-]")

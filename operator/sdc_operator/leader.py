@@ -44,6 +44,7 @@ from .errors import ApiError
 from .kube import Kube, is_conflict, is_not_found
 from .lane import LoopThread
 from .names import GROUP
+from .times import parse_micro_time
 
 __all__ = ["ElectionThread", "LeaderElector", "Members", "micro_time"]
 
@@ -376,12 +377,7 @@ class Members:
                 continue
             renewed = str((lease.get("spec") or {}).get("renewTime") or "")
             try:
-                age = (
-                    now
-                    - datetime.strptime(renewed, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-                        tzinfo=timezone.utc
-                    )
-                ).total_seconds()
+                age = (now - parse_micro_time(renewed)).total_seconds()
             except ValueError:
                 age = float("inf")
             if age > self.stale_seconds:

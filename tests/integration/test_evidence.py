@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sdc_harness.cluster import Cluster, OperatorProcess, server_time, wait_for
-from sdc_operator.incidents import job_stopped_at, parse_time
+from sdc_operator.incidents import job_stopped_at
 from sdc_operator.names import SUSPECT_KEY
+from sdc_operator.times import parse_time
 
 from .test_containment import Job, make_job, send, verdict
 from .test_intake import snapshot

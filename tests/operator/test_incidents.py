@@ -11,6 +11,7 @@ import pytest
 from sdc_agent.protocol import ReporterIdentity, Suspect, VerdictReport
 from sdc_operator import incidents
 from sdc_operator.incidents import Action, JobRef, ResolvedSuspect, Rules
+from sdc_operator.times import parse_time
 
 JOB = JobRef("kubeflow.org/v1", "PyTorchJob", "ml", "llama-pretrain", "uid-1")
 AT = "2026-11-29T00:00:00Z"
@@ -432,7 +433,7 @@ def test_a_resume_starts_at_or_before_every_open_window_of_the_job() -> None:
 # -- the verified snapshot and the work lost ----------------------------------------------------
 
 WAIT = Rules(snapshot_wait_seconds=30.0)
-T0 = incidents.parse_time(AT)
+T0 = parse_time(AT)
 
 
 def snapshot_incident(snapshot_step: int | None = 10) -> dict[str, Any]:
@@ -597,40 +598,3 @@ def test_a_snapshot_reported_after_the_deadline_is_used_and_the_incident_says_so
     assert "resumed from it" in snapshot["message"]
     assert after["snapshot"]["reportedLate"] is True
     assert after["lostWork"]["resumeStep"] == 10 and after["lostWork"]["steps"] == 5
-
-
-# -- times ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("at", ["2026-12-06T19:00:07Z", "2000-02-29T23:59:59Z", AT])
-def test_a_time_parses_as_strptime_read_it(at: str) -> None:
-    from datetime import datetime, timezone
-
-    expected = datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    assert incidents.parse_time(at) == expected
-    assert incidents.now_iso(expected) == at
-
-
-@pytest.mark.parametrize(
-    "at",
-    ["None", "", "2026-12-06T19:00:07", "2026-12-06T19:00:07.5Z", "2026-12-06 19:00:07Z",
-     "2026-13-06T19:00:07Z", "2026-02-30T19:00:07Z", "2026-1-06T19:00:07Z",
-     "2026-12-06T19:00:07+00:00"],
-)  # fmt: skip
-def test_anything_but_rfc3339_seconds_utc_is_a_value_error(at: str) -> None:
-    with pytest.raises(ValueError, match=r"^time '"):
-        incidents.parse_time(at)
-
-
-def test_parsing_a_time_leaves_strptime_unloaded() -> None:
-    """The first verdict after a start parses its pod's creation time: with ``strptime``
-    that imported ``_strptime`` and built its tables on the way to containment."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from sdc_operator import engine, incidents; "
-        "incidents.parse_time('2026-12-06T19:00:07Z'); print('_strptime' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out
