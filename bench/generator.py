@@ -105,8 +105,8 @@ def placement(
 ) -> tuple[list[tuple[list[int], int]], list[tuple[int, int]]]:
     """Which process holds which node: ``(its nodes, its niceness)`` per process (the
     nodes not ``apart`` dealt out in turn over at most ``processes`` processes at
-    ``nice``, then one process at niceness 0 per node ``apart``), and per node ``(its
-    process, its index there)``."""
+    ``nice``, then one process at the bench's own niceness (``0``) per node ``apart``), and
+    per node ``(its process, its index there)``."""
     apart = [node for node in dict.fromkeys(apart) if 0 <= node < nodes]
     shared = [node for node in range(nodes) if node not in apart]
     count = max(1, min(processes, len(shared)))
@@ -125,9 +125,9 @@ class Generator:
     ``processes`` processes, dealt out in turn, and a process of its own for each node in
     ``apart``. ``nice``: the shared processes' niceness (19: the operator and the API
     server take the cores first, as where the agents run on other machines); the nodes
-    ``apart`` keep niceness 0. The bench sets the elected reporters apart: in production a
-    node's agent shares its process with its own training only, not with 255 other nodes'
-    agents and their GIL, and its CPU is its node's."""
+    ``apart`` keep the bench's own niceness. The bench can set the elected reporters apart:
+    in production a node's agent shares its process with its own training only, not with
+    255 other nodes' agents and their GIL, and its CPU is its node's."""
 
     def __init__(
         self,
@@ -145,6 +145,7 @@ class Generator:
         verdict_urls = verdict_urls or [None] * self.nodes
         plan, self._where = placement(self.nodes, processes, nice, apart or [])
         self.processes = len(plan)
+        self._sizes = [len(mine) for mine, _ in plan]
         context = multiprocessing.get_context("spawn")  # no threads of ours inherited
         self._pipes: list[Connection] = []
         self._procs: list[Any] = []
@@ -202,7 +203,7 @@ class Generator:
             "seconds": round(max(a["seconds"] for a in answers), 2),
             "generator_cpu_s": round(sum(a["cpu_s"] for a in answers), 2),
             "connections_open": sum(a["connections_open"] for a in answers),
-            "handshakes_at_once_at_most": at_once * self.processes,
+            "handshakes_at_once_at_most": sum(min(at_once, size) for size in self._sizes),
         }
 
     def release(
