@@ -27,7 +27,7 @@ from . import confirmation, incidents, jobs, jobshape, nodes
 from .caches import Caches
 from .effects import Effects, Emit
 from .errors import ApiError
-from .incidents import Action, Rules, now_iso
+from .incidents import Action, Rules
 from .kube import Kube, is_conflict, is_not_found
 from .names import (
     HYPERPOD_CLUSTER_LABEL,
@@ -38,7 +38,7 @@ from .names import (
 )
 from .remediate import HyperPodNodes, took_effect
 from .settings import OperatorSettings
-from .times import parse_time
+from .times import now_iso, parse_time
 
 __all__ = ["UNKNOWN", "Actions", "Outcome"]
 

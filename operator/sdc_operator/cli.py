@@ -516,10 +516,11 @@ class _Cluster:
 
     def post_event(self, incident: Mapping[str, Any], reason: str, message: str) -> None:
         import secrets
-        from datetime import datetime, timezone
+
+        from .times import now_iso
 
         meta = incident["metadata"]
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = now_iso()
         body = {
             "metadata": {
                 "name": f"{meta['name']}.{secrets.token_hex(8)}",

@@ -37,7 +37,7 @@ from sdc_common.protocol import VerdictReport
 
 from . import confirmation
 from .names import ACTION_ANNOTATION, ACTIONS, GROUP, INCIDENT_KIND, VERSION
-from .times import parse_time
+from .times import now_iso, parse_time
 
 __all__ = [
     "Action",
@@ -140,10 +140,6 @@ class Action:
 
     action: str
     target: str
-
-
-def now_iso(now: datetime | None = None) -> str:
-    return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 _NOT_DNS = re.compile(r"[^a-z0-9-]")

@@ -25,7 +25,6 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
@@ -33,6 +32,7 @@ import aiohttp
 
 from .errors import ApiError
 from .names import FIELD_MANAGER, GROUP, INCIDENT_PLURAL, VERSION
+from .times import now_iso
 
 __all__ = [
     "COMPONENT",
@@ -486,7 +486,7 @@ class Kube:
         kubelet's do."""
         meta = obj.get("metadata") or {}
         namespace = meta.get("namespace") or "default"
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = now_iso()
         body = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -44,7 +44,7 @@ from .errors import ApiError
 from .kube import Kube, is_conflict, is_not_found
 from .lane import LoopThread
 from .names import GROUP
-from .times import parse_micro_time
+from .times import micro_time, parse_micro_time
 
 __all__ = ["ElectionThread", "LeaderElector", "Members", "micro_time"]
 
@@ -52,10 +52,6 @@ log = logging.getLogger(__name__)
 COORDINATION = "coordination.k8s.io/v1"
 HEARTBEATS_ANNOTATION = f"{GROUP}/heartbeats"
 MEMBER_LABEL = f"{GROUP}/member-of"
-
-
-def micro_time(at: datetime | None = None) -> str:
-    return (at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:

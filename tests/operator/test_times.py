@@ -7,11 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
-from sdc_operator.incidents import now_iso
-from sdc_operator.times import parse_micro_time, parse_time
+from sdc_operator.times import micro_time, now_iso, parse_micro_time, parse_time
 
 
 @pytest.mark.parametrize("at", ["2026-12-06T19:00:07Z", "2000-02-29T23:59:59Z"])
@@ -47,6 +47,22 @@ def test_anything_but_rfc3339_seconds_utc_is_a_value_error(at: str) -> None:
 def test_a_micro_time_needs_one_to_six_digits_of_fraction(at: str) -> None:
     with pytest.raises(ValueError, match=r"^time '"):
         parse_micro_time(at)
+
+
+def test_no_operator_module_calls_strptime() -> None:
+    """What the import check below cannot see: a ``strptime`` called only on a path it does
+    not run (the election's ``peers()`` with two replicas, the confirmation's times)."""
+    import sdc_operator
+
+    package = Path(sdc_operator.__file__).parent
+    calling = [path.name for path in package.glob("*.py") if "strptime(" in path.read_text()]
+    assert calling == [], f"strptime called in {calling}: read times with sdc_operator.times"
+
+
+def test_a_written_time_reads_back() -> None:
+    at = datetime(2026, 12, 6, 19, 0, 7, 123456, tzinfo=timezone.utc)
+    assert parse_time(now_iso(at)) == at.replace(microsecond=0)
+    assert parse_micro_time(micro_time(at)) == at
 
 
 def test_the_operator_leaves_strptime_unloaded() -> None:
