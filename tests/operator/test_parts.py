@@ -324,20 +324,26 @@ def test_the_series_alerts_take_the_increase_of_exist_from_the_start() -> None:
         assert series in text, series
 
 
-def test_the_rest_client_imports_nothing_of_the_domain() -> None:
-    """kube.py is a REST client: of the operator's own modules it may use only the error
-    types and the names (constants); never incidents, nodes or any decision."""
+def _own_imports(module: Any) -> set[str]:
     import ast
 
-    import sdc_operator.kube
-
-    tree = ast.parse(Path(sdc_operator.kube.__file__).read_text())
-    own = {
+    tree = ast.parse(Path(module.__file__).read_text())
+    return {
         node.module
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module
     }
-    assert own == {"errors", "names"}, own
+
+
+def test_the_rest_client_imports_nothing_of_the_domain() -> None:
+    """kube.py is a REST client: of the operator's own modules it may use only the error
+    types, the names (constants) and the API server's time format (times, which itself
+    imports none of ours); never incidents, nodes or any decision."""
+    import sdc_operator.kube
+    import sdc_operator.times
+
+    assert _own_imports(sdc_operator.kube) == {"errors", "names", "times"}
+    assert _own_imports(sdc_operator.times) == set()
 
 
 def test_the_watch_pool_has_a_connection_for_every_watch() -> None:
