@@ -436,24 +436,22 @@ def audit_costs(
         samples = times[name]
         at = set(steps)
         rest = [t for i, t in enumerate(samples) if i not in at]
-        if not steps or not rest:
+        if not rest:
             continue
         base = statistics.median(rest)
         costs = [round((samples[i] - base) / plain, 3) for i in steps]
         every = (VARIANTS[name] or {}).get("replay_every", GuardConfig().replay_every)
-        later = costs[1:]
+        later = statistics.median(costs[1:]) if len(costs) > 1 else None
         out[name] = {
             "audits": len(costs),
             "first_audit_steps": costs[0],
-            "later_audits_steps_median": round(statistics.median(later), 3) if later else None,
+            "later_audits_steps_median": round(later, 3) if later is not None else None,
             "each_audit_steps": costs,
             "replay_every": every,
             "of_overhead": round(
                 sum(samples[i] - base for i in steps) / len(samples) / plain_mean, 4
             ),
-            "steady_overhead": round(statistics.median(later) / every, 4)
-            if later and every
-            else None,
+            "steady_overhead": round(later / every, 4) if later is not None and every else None,
         }
     return out
 

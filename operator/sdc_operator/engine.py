@@ -50,7 +50,6 @@ from .incidents import (
     JobRef,
     ResolvedSuspect,
     Rules,
-    now_iso,
 )
 from .kube import Kube, is_conflict, is_not_found
 from .lane import LoopThread
@@ -58,7 +57,7 @@ from .metrics import Metrics
 from .policy import POLICY_CAUTION, Admission, namespace_admission
 from .remediate import HyperPodNodes
 from .settings import OperatorSettings
-from .times import parse_time
+from .times import now_iso, parse_time
 
 __all__ = ["IncidentEngine"]
 

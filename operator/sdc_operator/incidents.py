@@ -66,7 +66,6 @@ __all__ = [
     "post_containment_actions",
     "repeat_candidates",
     "resumed_status",
-    "now_iso",
     "record_action",
     "record_intent",
     "record_result",

@@ -16,8 +16,9 @@ from sdc_agent.protocol import encode_report
 from sdc_harness.cluster import Cluster, OperatorProcess, post, wait_for
 from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator import incidents, nodes
-from sdc_operator.incidents import Action, JobRef, ResolvedSuspect, now_iso
+from sdc_operator.incidents import Action, JobRef, ResolvedSuspect
 from sdc_operator.names import SUSPECT_KEY
+from sdc_operator.times import now_iso
 
 from .test_containment import Job, make_job, send, verdict
 

@@ -13,7 +13,8 @@ from typing import Any
 from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
 from sdc_harness.fake_sagemaker import FakeSageMaker
 from sdc_operator import incidents, jobs, nodes
-from sdc_operator.incidents import JobRef, ResolvedSuspect, now_iso
+from sdc_operator.incidents import JobRef, ResolvedSuspect
+from sdc_operator.times import now_iso
 
 from .test_containment import Job, make_job, send, verdict
 

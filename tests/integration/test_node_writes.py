@@ -19,7 +19,7 @@ from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from sdc_harness.cluster import Cluster, OperatorProcess, wait_for
-from sdc_operator import incidents
+from sdc_operator import incidents, times
 from sdc_operator.actions import Actions
 from sdc_operator.caches import Caches
 from sdc_operator.incidents import JobRef, ResolvedSuspect, Rules
@@ -52,7 +52,7 @@ def incident_for(job: Job) -> dict[str, Any]:
             reporter_node=job.node_name(reporter),
             suspects=[suspect],
             needed=2,
-            received_at=incidents.now_iso(),
+            received_at=times.now_iso(),
         )
     name = incidents.incident_name(ref, verdict(job, 0))
     body = incidents.new_incident(ref, name, verdict(job, 0))

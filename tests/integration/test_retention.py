@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from sdc_harness.cluster import Cluster
-from sdc_operator import incidents, nodes, retention
+from sdc_operator import incidents, nodes, retention, times
 from sdc_operator.caches import Caches
 from sdc_operator.incidents import Action, JobRef, ResolvedSuspect, Rules
 from sdc_operator.kube import Endpoint, Kube
@@ -81,7 +81,7 @@ def test_retention_deletes_closed_and_orphaned_incidents_only(
     pending = {**failed, "result": "Pending", "message": "taking it"}
     staged = {
         "closed-old": (job, agreed(job, OLD, classification="training"), ""),
-        "closed-new": (job, agreed(job, incidents.now_iso(), classification="training"), ""),
+        "closed-new": (job, agreed(job, times.now_iso(), classification="training"), ""),
         "in-progress-old": (job, agreed(job, OLD), ""),
         "holds-a-node-old": (holder, contained(holder, OLD), ""),
         "pending-action-old": (job, {**contained(job, OLD), "actions": [pending]}, "gone-uid"),

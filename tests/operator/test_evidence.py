@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sdc_operator import incidents, nodes
+from sdc_operator import incidents, nodes, times
 from sdc_operator.incidents import MAX_RECORDED_REPORTS, Action, Rules
 
 from .test_incidents import AT, JOB, R, incident, report, suspects
@@ -291,9 +291,9 @@ def test_a_pod_made_in_the_second_of_the_stop_is_the_stopped_runs_and_the_resume
     assert engine.generation(JOB, verdict, "2026-12-06T09:09:54Z") == 0  # was 1
     assert engine.generation(JOB, verdict, "2026-12-06T09:09:55Z") == 1
 
-    now = incidents.now_iso()
+    now = times.now_iso()
     asyncio.run(_past_the_second_of(now))
-    assert incidents.now_iso() > now
+    assert times.now_iso() > now
     began = time.monotonic()
     asyncio.run(_past_the_second_of("2026-12-06T09:09:54Z"))  # long past: no wait
     assert time.monotonic() - began < 0.05
