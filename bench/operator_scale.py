@@ -269,6 +269,23 @@ def chart_settings() -> dict[str, str]:
     return out
 
 
+def chart_tls(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and the operator's serving certificate and key under ``directory``, ECDSA
+    P-256 as the chart generates them: (CA certificate, certificate, key)."""
+    from sdc_harness.tls import issue
+
+    directory.mkdir()
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-days", "1", "-subj", "/CN=bench-ca", "-keyout", str(ca_key),
+         "-out", str(ca_cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    key, cert = issue(directory, (ca_key, ca_cert), "tls", algorithm="ec")
+    return ca_cert, cert, key
+
+
 def production(
     nodes: int,
     tmp: Path,
@@ -304,18 +321,8 @@ def production(
     (the verdicts' 5 s shedding over before the next storm's figures are taken); the suite,
     which checks deliveries and containment, not their times, passes 0."""
     from bench.generator import Generator
-    from sdc_harness.tls import issue
 
-    directory = tmp / f"tls-{nodes}"
-    directory.mkdir()
-    ca_key, ca_cert = directory / "ca.key", directory / "ca.crt"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-days", "1", "-subj", "/CN=bench-ca", "-keyout", str(ca_key),
-         "-out", str(ca_cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    key, cert = issue(directory, (ca_key, ca_cert), "tls", algorithm="ec")
+    ca_cert, cert, key = chart_tls(tmp / f"tls-{nodes}")
     own = cluster is None
     cluster = cluster or Cluster(tmp / f"apiserver-{nodes}")
     try:
